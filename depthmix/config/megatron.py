@@ -1,0 +1,84 @@
+"""The one function that maps a :class:`RunConfig` onto Megatron's ``TransformerConfig``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from depthmix.config.schema import RunConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """Round up to ``divisible_by`` (not times TP: the padded size, hence the initial
+    weights, must not depend on the layout; validation checks it divides by TP)."""
+    return ((vocab_size + divisible_by - 1) // divisible_by) * divisible_by
+
+
+def to_transformer_config(run: RunConfig):
+    """Build the :class:`DepthMixConfig` every module receives.
+
+    Choices the papers leave open, made here: Qwen3-style layers (RMSNorm, SwiGLU, QK-norm,
+    RoPE, no biases, no dropout); every weight initialised N(0, init_std) as in the papers'
+    Hugging Face configs ("initializer range"), so output projections are *not* scaled by
+    1/sqrt(2L) as Megatron's default would; untied embeddings.
+    """
+    from megatron.core.utils import init_method_normal
+
+    from depthmix.megatron_ext.config import DepthMixConfig
+
+    m, p, t = run.model, run.parallel, run.train
+    dtype = DTYPES[t.precision]
+    init = init_method_normal(m.init_std)
+    return DepthMixConfig(
+        # architecture
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.head_dim or m.hidden_size // m.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        qk_layernorm=m.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_std,
+        init_method=init,
+        output_layer_init_method=init,
+        # parallelism
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vp,
+        sequence_parallel=p.sequence_parallel,
+        use_cpu_initialization=p.use_cpu_initialization,
+        deallocate_pipeline_outputs=True,
+        recompute_granularity="full" if p.recompute == "full" else None,
+        recompute_method="uniform" if p.recompute == "full" else None,
+        recompute_num_layers=1 if p.recompute == "full" else None,
+        # precision
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        # fusions that need Apex/TE are off; SDPA and our kernels do the heavy lifting
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        # depthmix
+        mixer=run.mixer,
+        vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
+        seq_length=m.seq_length,
+        rotary_base=m.rotary_base,
+        norm_position=m.norm_position,
+        n_loops=m.n_loops,
+        init_seed=t.seed,
+    )

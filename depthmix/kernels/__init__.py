@@ -1,0 +1,1 @@
+"""Fused Triton kernels with plain-PyTorch references (kernels/<op>/)."""

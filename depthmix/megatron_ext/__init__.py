@@ -1,0 +1,1 @@
+"""Megatron-Core extensions: the depth-mixing decoder, its layer specs and pipeline transport."""

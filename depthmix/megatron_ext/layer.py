@@ -1,0 +1,129 @@
+"""A decoder layer whose residual connections and depth reads are pluggable submodules.
+
+The forward reads like the block equation. With the default submodules it is the
+pre-norm Qwen3 layer ``h = h + attn(norm(h)); h = h + mlp(norm(h))``; a depth mixer
+replaces some slots:
+
+* ``attn_residual`` / ``mlp_residual`` (:class:`ResidualOp`): how a sublayer's input is
+  read from the depth state and how its output is written back (AttnRes, mHC, DDL);
+* ``self_attention.depth_mixer``: depth reads inside attention (Depth-Attention, MoDA);
+* ``mlp_depth_kv``: a depth entry made from the MLP input (MoDA's FFN KV projection);
+* ``pre_attention``: a sequence-axis sublayer before attention (ShortSWA);
+* ``post_layer``: an operation on the state after the layer (DenseFormer's DWA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Tuple, Union
+
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from torch import Tensor
+
+from depthmix.megatron_ext.context import ForwardContext
+from depthmix.megatron_ext.depth_state import DepthState
+
+HIDDEN = "h"
+"""Depth-state name of the ordinary residual stream."""
+
+
+class ResidualOp(MegatronModule):
+    """Plain residual connection around one sublayer: read ``h``, write ``h + y``.
+
+    ``read`` returns the sublayer input and a token handed back to ``write`` (methods
+    whose write depends on quantities computed at read time, e.g. mHC, use it).
+    With ``post_norm`` the write is ``h = norm(h + y)`` (post-norm blocks).
+    """
+
+    def __init__(self, config, layer_number: int = 1, sublayer: str = "attn",
+                 post_norm: Union[ModuleSpec, type, None] = None, **kwargs):
+        super().__init__(config=config)
+        self.sublayer = sublayer
+        self.post_norm = (
+            build_module(post_norm, config=config, hidden_size=config.hidden_size,
+                         eps=config.layernorm_epsilon)
+            if post_norm is not None
+            else None
+        )
+
+    def read(self, state: DepthState, ctx: ForwardContext) -> Tuple[Tensor, Any]:
+        return state[HIDDEN], None
+
+    def write(self, state: DepthState, output: Tensor, token: Any, ctx: ForwardContext) -> None:
+        hidden = state[HIDDEN] + output
+        state[HIDDEN] = self.post_norm(hidden) if self.post_norm is not None else hidden
+
+
+class StateHook(MegatronModule):
+    """A no-op slot; subclasses act on the depth state at a fixed point of the layer."""
+
+    def __init__(self, config, layer_number: int = 1, **kwargs):
+        super().__init__(config=config)
+
+    def forward(self, state: DepthState, ctx: ForwardContext, *args) -> None:
+        return None
+
+
+@dataclass
+class DepthMixLayerSubmodules:
+    input_layernorm: Union[ModuleSpec, type] = IdentityOp
+    self_attention: Union[ModuleSpec, type] = IdentityOp
+    pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
+    mlp: Union[ModuleSpec, type] = IdentityOp
+    attn_residual: Union[ModuleSpec, type] = ResidualOp
+    mlp_residual: Union[ModuleSpec, type] = ResidualOp
+    pre_attention: Union[ModuleSpec, type] = StateHook
+    mlp_depth_kv: Union[ModuleSpec, type] = StateHook
+    post_layer: Union[ModuleSpec, type] = StateHook
+
+
+class DepthMixLayer(MegatronModule):
+    """One transformer layer acting on a depth state (see module docstring)."""
+
+    def __init__(self, config, submodules: DepthMixLayerSubmodules, layer_number: int = 1,
+                 pg_collection=None):
+        super().__init__(config=config)
+        self.layer_number = layer_number  # 1-based global index of the unique layer
+        self.submodules_config = submodules
+        h, eps = config.hidden_size, config.layernorm_epsilon
+
+        # 1: sequence-axis pre-attention sublayer (ShortSWA), a no-op by default
+        self.pre_attention = build_module(submodules.pre_attention, config=config,
+                                          layer_number=layer_number)
+        # 2: attention sublayer with its residual connection
+        self.attn_residual = build_module(submodules.attn_residual, config=config,
+                                          layer_number=layer_number, sublayer="attn")
+        self.input_layernorm = build_module(submodules.input_layernorm, config=config,
+                                            hidden_size=h, eps=eps)
+        self.self_attention = build_module(submodules.self_attention, config=config,
+                                           layer_number=layer_number, pg_collection=pg_collection)
+        # 3: MLP sublayer with its residual connection (and optional depth-KV projection)
+        self.mlp_residual = build_module(submodules.mlp_residual, config=config,
+                                         layer_number=layer_number, sublayer="mlp")
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config,
+                                              hidden_size=h, eps=eps)
+        self.mlp = build_module(submodules.mlp, config=config)
+        self.mlp_depth_kv = build_module(submodules.mlp_depth_kv, config=config,
+                                         layer_number=layer_number)
+        # 4: after-layer operation on the whole state (DenseFormer), a no-op by default
+        self.post_layer = build_module(submodules.post_layer, config=config,
+                                       layer_number=layer_number)
+
+    def forward(self, state: DepthState, ctx: ForwardContext) -> DepthState:
+        self.pre_attention(state, ctx)
+
+        x, token = self.attn_residual.read(state, ctx)
+        y = self.self_attention(self.input_layernorm(x), state, ctx)
+        self.attn_residual.write(state, y, token, ctx)
+
+        x, token = self.mlp_residual.read(state, ctx)
+        x = self.pre_mlp_layernorm(x)
+        self.mlp_depth_kv(state, ctx, x)
+        y, bias = self.mlp(x)
+        assert bias is None, "depthmix layers are bias-free"
+        self.mlp_residual.write(state, y, token, ctx)
+
+        self.post_layer(state, ctx)
+        return state

@@ -1,0 +1,57 @@
+"""What every mixer provides: a config dataclass, a model spec and a depth plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List
+
+from depthmix.config.schema import ConfigError
+from depthmix.megatron_ext.depth_state import STEM, Entry
+from depthmix.megatron_ext.layer import HIDDEN
+
+IMPLS = ("auto", "torch", "triton")
+
+
+@dataclass
+class MixerConfig:
+    """Options shared by every mixer (``configs/mixer/<name>.yaml`` extends these)."""
+
+    name: str = "vanilla"
+    impl: str = "auto"
+    """Kernel choice: ``torch``, ``triton`` or ``auto`` (Triton when CUDA and Triton are
+    usable). Resolved once at start-up and logged; never switched mid-run."""
+    short_swa_window: int = 0
+    """Sequence-axis ShortSWA sublayer before attention with this window (0 = off)."""
+
+    def resolve(self, model) -> None:
+        """Fill defaults that depend on the model preset (e.g. a stride)."""
+
+    def validate(self, model, parallel) -> None:
+        """Raise :class:`ConfigError` naming the option if this mixer cannot run."""
+        if self.impl not in IMPLS:
+            raise ConfigError(f"mixer.impl={self.impl!r} must be one of {IMPLS}")
+        if self.short_swa_window < 0:
+            raise ConfigError(f"mixer.short_swa_window={self.short_swa_window} must be >= 0")
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """A registered depth-mixing method."""
+
+    name: str
+    config_cls: type
+    model_spec: Callable
+    """``(DepthMixConfig) -> DepthMixModelSubmodules``."""
+    plan: Callable
+    """``(DepthMixConfig, tp_size) -> list[Entry]``: the depth state over unrolled layers."""
+
+
+def residual_stream_entry(config) -> Entry:
+    """The vanilla residual stream ``h``: written by the stem and every layer."""
+    n = config.unrolled_layers
+    return Entry(HIDDEN, writers=(STEM, *range(n)), readers=(*range(n), n),
+                 shape=(config.hidden_size,), seq_sharded=True)
+
+
+def residual_plan(config, tp: int) -> List[Entry]:
+    return [residual_stream_entry(config)]

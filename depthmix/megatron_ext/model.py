@@ -1,0 +1,261 @@
+"""The depth-mixing decoder: embedding stem -> layers on a depth state -> head.
+
+One ``DepthMixModel`` is one pipeline chunk (Megatron's convention): the first chunk
+embeds tokens and builds the initial depth state, middle chunks receive it through the
+pipeline transport, the last chunk reads the final hidden state and computes the loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.models.common.embeddings.language_model_embedding import (
+    LanguageModelEmbedding,
+)
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import sharded_state_dict_default
+from torch import Tensor
+
+from depthmix.megatron_ext.context import ForwardContext
+from depthmix.megatron_ext.depth_state import DepthPlan, DepthState
+from depthmix.megatron_ext.layer import HIDDEN
+from depthmix.megatron_ext.layout import PipelineLayout
+from depthmix.megatron_ext.transport import DepthStateCache, DepthTransport, TransportGeometry
+
+
+@contextlib.contextmanager
+def seeded_init(seed: int):
+    """Draw initial weights from a fixed seed, restoring the RNG afterwards.
+
+    With ``use_cpu_initialization`` Megatron initialises each full weight on the CPU and
+    keeps this rank's shard, so seeding per layer makes the model identical at every
+    TP/PP layout.
+    """
+    state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
+
+
+class StateStem(MegatronModule):
+    """Embedding output -> initial depth state (vanilla: the residual stream)."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config=config)
+
+    def forward(self, embeddings: Tensor) -> DepthState:
+        return {HIDDEN: embeddings}
+
+
+class StateHead(MegatronModule):
+    """Final depth state -> the hidden state the final norm reads (vanilla: ``h``)."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config=config)
+
+    def forward(self, state: DepthState, ctx: ForwardContext) -> Tensor:
+        return state[HIDDEN]
+
+
+@dataclass
+class DepthMixModelSubmodules:
+    layer: Union[ModuleSpec, type]
+    stem: Union[ModuleSpec, type] = StateStem
+    head: Union[ModuleSpec, type] = StateHead
+    final_layernorm: Union[ModuleSpec, type, None] = None
+
+
+class DepthMixBlock(MegatronModule):
+    """The layers of one pipeline chunk, run over the depth state."""
+
+    def __init__(self, config, layer_spec, layer_indices: range, plan: DepthPlan,
+                 pg_collection=None):
+        super().__init__(config=config)
+        self.plan = plan
+        self.layer_indices = layer_indices
+        layers = []
+        for i in layer_indices:
+            with seeded_init(config.init_seed + 1000 * (i + 1)):
+                layers.append(build_module(layer_spec, config=config, layer_number=i + 1,
+                                           pg_collection=pg_collection))
+        self.layers = torch.nn.ModuleList(layers)
+
+    @property
+    def current_microbatch(self) -> int:
+        # Megatron's schedules set ``current_microbatch`` on ``model.decoder.layers``.
+        return getattr(self.layers[0], "current_microbatch", 0) or 0
+
+    def unrolled(self):
+        """(unrolled index, layer module) in execution order; loops share the modules."""
+        n = self.config.num_layers
+        for loop in range(self.config.n_loops):
+            for idx, layer in zip(self.layer_indices, self.layers):
+                yield loop * n + idx, layer
+
+    def forward(self, state: DepthState, ctx: ForwardContext) -> DepthState:
+        recompute = self.config.recompute_granularity == "full" and torch.is_grad_enabled()
+        for u, layer in self.unrolled():
+            ctx.layer = u
+            state = _checkpointed(layer, state, ctx) if recompute else layer(state, ctx)
+            live = self.plan.live_names(u + 1)
+            missing = live - state.keys()
+            assert not missing, f"layer {u} dropped live depth-state entries {sorted(missing)}"
+            state = {k: v for k, v in state.items() if k in live}
+        return state
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Checkpoint keys use the global layer index, so any PP layout can load them."""
+        out = {}
+        for idx, layer in zip(self.layer_indices, self.layers):
+            local = f"{prefix}layers.{idx - self.layer_indices.start}."
+            layer_sd = layer.sharded_state_dict(local, sharded_offsets, metadata)
+            replace_prefix_for_sharding(layer_sd, local, f"{prefix}layers.{idx}.")
+            out.update(layer_sd)
+        for name, module in self.named_children():
+            if module is not self.layers:
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.",
+                                                      sharded_offsets, metadata))
+        return out
+
+
+def _checkpointed(layer, state: DepthState, ctx: ForwardContext) -> DepthState:
+    """Full activation recomputation of one layer over a dict-valued depth state.
+
+    Megatron's ``CheckpointFunction`` takes and returns flat tensors: the layer's inputs
+    are the state's tensors, its outputs the entries it wrote.
+    """
+    names = list(state)
+    written = []
+    unrolled = ctx.layer
+
+    def run(*tensors):
+        ctx.layer = unrolled
+        new = layer(dict(zip(names, tensors)), ctx)
+        changed = [k for k in new if k not in names or new[k] is not tensors[names.index(k)]]
+        written[:] = changed
+        return tuple(new[k] for k in changed)
+
+    outputs = tensor_parallel.checkpoint(run, False, *[state[k] for k in names])
+    if isinstance(outputs, Tensor):
+        outputs = (outputs,)
+    new_state = dict(state)
+    new_state.update(zip(written, outputs))
+    return new_state
+
+
+class DepthMixModel(LanguageModule):
+    """Qwen3-style decoder with a depth state; one pipeline chunk of it.
+
+    Args:
+        config: :class:`~depthmix.megatron_ext.config.DepthMixConfig`.
+        submodules: the mixer's model spec; defaults to the one registered for
+            ``config.mixer.name``.
+        pre_process / post_process: whether this chunk embeds / computes the loss.
+        vp_stage: virtual pipeline stage of this chunk (None without interleaving).
+        cache: per-rank depth-state cache shared by this rank's chunks.
+    """
+
+    def __init__(self, config, submodules: Optional[DepthMixModelSubmodules] = None,
+                 pre_process: bool = True, post_process: bool = True,
+                 vp_stage: Optional[int] = None, cache: Optional[DepthStateCache] = None,
+                 pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        from depthmix.megatron_ext.mixers import get_mixer
+
+        mixer = get_mixer(config.mixer.name)
+        if submodules is None:
+            submodules = mixer.model_spec(config)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.vp_stage = vp_stage
+        self.share_embeddings_and_output_weights = False
+        self.vocab_size = config.vocab_size
+        self.max_sequence_length = config.seq_length
+        self.position_embedding_type = "rope"
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        vp = config.virtual_pipeline_model_parallel_size or 1
+        self.layout = PipelineLayout(config.num_layers, pp, vp)
+        self.chunk = self.layout.chunk(pp_rank, vp_stage or 0)
+        self.plan = DepthPlan(mixer.plan(config, tp), config.unrolled_layers)
+        self.geometry = TransportGeometry(
+            plan=self.plan, layout=self.layout, seq_length=config.seq_length,
+            hidden_size=config.hidden_size, tp=tp, sequence_parallel=config.sequence_parallel,
+        )
+        self.transport = DepthTransport(self.geometry, self.chunk, cache or DepthStateCache())
+
+        seed = config.init_seed
+        if pre_process:
+            with seeded_init(seed):
+                self.embedding = LanguageModelEmbedding(
+                    config=config, vocab_size=self.vocab_size,
+                    max_sequence_length=config.seq_length, position_embedding_type="rope",
+                    tp_group=self.tp_group,
+                )
+            self.stem = build_module(submodules.stem, config=config)
+        self.rotary_pos_emb = RotaryEmbedding(
+            kv_channels=config.kv_channels, rotary_percent=1.0,
+            rotary_base=config.rotary_base,
+            use_cpu_initialization=config.use_cpu_initialization,
+        )
+        self.decoder = DepthMixBlock(config, submodules.layer, self.layout.layers(self.chunk),
+                                     self.plan, pg_collection=pg_collection)
+        if post_process:
+            self.head = build_module(submodules.head, config=config)
+            self.final_layernorm = build_module(
+                submodules.final_layernorm, config=config, hidden_size=config.hidden_size,
+                eps=config.layernorm_epsilon,
+            )
+            with seeded_init(seed + 1):
+                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                    config.hidden_size, self.vocab_size, config=config,
+                    init_method=config.init_method, bias=False, skip_bias_add=False,
+                    gather_output=False, tp_group=self.tp_group,
+                )
+        self.input_tensor = None
+
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, list):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def forward(self, input_ids: Tensor, position_ids: Optional[Tensor] = None,
+                labels: Optional[Tensor] = None, inference=None,
+                stats: Optional[dict] = None, **kwargs):
+        """``input_ids [b, s]`` -> per-token loss ``[b, s]`` (with ``labels``), logits
+        ``[b, s, vocab/tp]`` (last chunk, no labels), or the packed state (other chunks)."""
+        microbatch = self.decoder.current_microbatch
+        seq_len = input_ids.shape[1] if input_ids is not None else self.config.seq_length
+        offset = inference.offset if inference is not None else 0
+        ctx = ForwardContext(
+            rotary_pos_emb=self.rotary_pos_emb(offset + seq_len)[offset:],
+            inference=inference, stats=stats,
+        )
+        if self.pre_process:
+            if position_ids is None:
+                position_ids = torch.arange(offset, offset + seq_len, device=input_ids.device)
+                position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
+            state = self.stem(self.embedding(input_ids=input_ids, position_ids=position_ids))
+        else:
+            state = self.transport.receive(self.input_tensor, microbatch)
+
+        state = self.decoder(state, ctx)
+
+        if not self.post_process:
+            return self.transport.send(state, microbatch)
+        hidden = self.final_layernorm(self.head(state, ctx))
+        logits, _ = self.output_layer(hidden)  # [s, b, vocab/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)  # [b, s]

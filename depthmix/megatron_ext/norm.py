@@ -1,0 +1,35 @@
+"""RMSNorm that works under sequence parallelism (Megatron's torch fallback refuses SP)."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+
+class RMSNorm(MegatronModule):
+    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in fp32.
+
+    Acting on a sequence-parallel shard, the weight's gradient differs per TP rank;
+    ``weight.sequence_parallel`` tells Megatron's grad finalisation to all-reduce it.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, sequence_parallel=None):
+        super().__init__(config=config)
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        if sequence_parallel is None:
+            sequence_parallel = config.sequence_parallel
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class QKNorm(RMSNorm):
+    """Per-head RMSNorm of queries/keys (Qwen3). Runs on full-sequence local heads, so no
+    SP flag; Megatron all-reduces ``q_layernorm``/``k_layernorm`` grads over TP by name."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6):
+        super().__init__(config, hidden_size, eps, sequence_parallel=False)

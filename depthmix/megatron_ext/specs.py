@@ -1,0 +1,63 @@
+"""Layer and model specs (Megatron ``ModuleSpec`` idiom).
+
+``get_decoder_layer_submodules(config)`` is the vanilla Qwen3 layer; every mixer starts
+from it and swaps the slots it needs with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from depthmix.megatron_ext.attention import (
+    DepthMixAttentionSubmodules,
+    DepthMixSelfAttention,
+    SDPACoreAttention,
+)
+from depthmix.megatron_ext.layer import DepthMixLayer, DepthMixLayerSubmodules, ResidualOp
+from depthmix.megatron_ext.model import DepthMixModelSubmodules
+from depthmix.megatron_ext.norm import QKNorm, RMSNorm
+
+
+def get_attention_spec(config, depth_mixer=None, core_attention=SDPACoreAttention) -> ModuleSpec:
+    submodules = DepthMixAttentionSubmodules(
+        linear_qkv=ColumnParallelLinear,
+        core_attention=core_attention,
+        linear_proj=RowParallelLinear,
+        q_layernorm=QKNorm if config.qk_layernorm else None,
+        k_layernorm=QKNorm if config.qk_layernorm else None,
+    )
+    if depth_mixer is not None:
+        submodules.depth_mixer = depth_mixer
+    return ModuleSpec(module=DepthMixSelfAttention, submodules=submodules)
+
+
+def get_decoder_layer_submodules(config) -> DepthMixLayerSubmodules:
+    """The vanilla layer: pre-norm (or post-norm) attention and SwiGLU MLP."""
+    post = config.norm_position == "post"
+    residual = ModuleSpec(module=ResidualOp, params={"post_norm": RMSNorm if post else None})
+    return DepthMixLayerSubmodules(
+        input_layernorm=IdentityOp if post else RMSNorm,
+        self_attention=get_attention_spec(config),
+        pre_mlp_layernorm=IdentityOp if post else RMSNorm,
+        mlp=ModuleSpec(
+            module=MLP,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                     linear_fc2=RowParallelLinear),
+        ),
+        attn_residual=residual,
+        mlp_residual=residual,
+    )
+
+
+def get_model_submodules(config, layer: DepthMixLayerSubmodules, **overrides):
+    """Model spec around a layer spec; ``overrides`` replace the stem/head/final norm."""
+    spec = DepthMixModelSubmodules(
+        layer=ModuleSpec(module=DepthMixLayer, submodules=layer),
+        final_layernorm=RMSNorm,
+    )
+    for key, value in overrides.items():
+        setattr(spec, key, value)
+    return spec
