@@ -1,0 +1,15 @@
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session")
+def megatron_single():
+    """In-process world of one rank with Megatron's parallel state (TP=PP=1)."""
+    from depthmix.testing import init_single_process
+
+    init_single_process()
+    yield
