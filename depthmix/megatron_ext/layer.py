@@ -8,7 +8,10 @@ replaces some slots:
   read from the depth state and how its output is written back (AttnRes, mHC, DDL);
 * ``self_attention.depth_mixer``: depth reads inside attention (Depth-Attention, MoDA);
 * ``mlp_depth_kv``: a depth entry made from the MLP input (MoDA's FFN KV projection);
-* ``pre_attention``: a sequence-axis sublayer before attention (ShortSWA);
+* ``short_swa``: a sequence-axis sublayer folded into the attention sublayer (ShortSWA):
+  ``s = swa(x)``, ``y = s + attn(norm(x + s))``; with the plain residual this is seed
+  004's ``S = H + ShortSWA(Norm(H))`` before attention, and it composes with any
+  residual operator;
 * ``post_layer``: an operation on the state after the layer (DenseFormer's DWA).
 """
 
@@ -66,6 +69,16 @@ class StateHook(MegatronModule):
         return None
 
 
+class NoShortSWA(MegatronModule):
+    """ShortSWA off: contributes nothing to the attention sublayer."""
+
+    def __init__(self, config, layer_number: int = 1, **kwargs):
+        super().__init__(config=config)
+
+    def forward(self, x: Tensor, ctx: ForwardContext):
+        return None
+
+
 @dataclass
 class DepthMixLayerSubmodules:
     input_layernorm: Union[ModuleSpec, type] = IdentityOp
@@ -74,7 +87,7 @@ class DepthMixLayerSubmodules:
     mlp: Union[ModuleSpec, type] = IdentityOp
     attn_residual: Union[ModuleSpec, type] = ResidualOp
     mlp_residual: Union[ModuleSpec, type] = ResidualOp
-    pre_attention: Union[ModuleSpec, type] = StateHook
+    short_swa: Union[ModuleSpec, type] = NoShortSWA
     mlp_depth_kv: Union[ModuleSpec, type] = StateHook
     post_layer: Union[ModuleSpec, type] = StateHook
 
@@ -89,17 +102,16 @@ class DepthMixLayer(MegatronModule):
         self.submodules_config = submodules
         h, eps = config.hidden_size, config.layernorm_epsilon
 
-        # 1: sequence-axis pre-attention sublayer (ShortSWA), a no-op by default
-        self.pre_attention = build_module(submodules.pre_attention, config=config,
-                                          layer_number=layer_number)
-        # 2: attention sublayer with its residual connection
+        # 1: attention sublayer (with optional ShortSWA) and its residual connection
         self.attn_residual = build_module(submodules.attn_residual, config=config,
                                           layer_number=layer_number, sublayer="attn")
+        self.short_swa = build_module(submodules.short_swa, config=config,
+                                      layer_number=layer_number)
         self.input_layernorm = build_module(submodules.input_layernorm, config=config,
                                             hidden_size=h, eps=eps)
         self.self_attention = build_module(submodules.self_attention, config=config,
                                            layer_number=layer_number, pg_collection=pg_collection)
-        # 3: MLP sublayer with its residual connection (and optional depth-KV projection)
+        # 2: MLP sublayer with its residual connection (and optional depth-KV projection)
         self.mlp_residual = build_module(submodules.mlp_residual, config=config,
                                          layer_number=layer_number, sublayer="mlp")
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config,
@@ -107,15 +119,18 @@ class DepthMixLayer(MegatronModule):
         self.mlp = build_module(submodules.mlp, config=config)
         self.mlp_depth_kv = build_module(submodules.mlp_depth_kv, config=config,
                                          layer_number=layer_number)
-        # 4: after-layer operation on the whole state (DenseFormer), a no-op by default
+        # 3: after-layer operation on the whole state (DenseFormer), a no-op by default
         self.post_layer = build_module(submodules.post_layer, config=config,
                                        layer_number=layer_number)
 
     def forward(self, state: DepthState, ctx: ForwardContext) -> DepthState:
-        self.pre_attention(state, ctx)
-
         x, token = self.attn_residual.read(state, ctx)
+        swa = self.short_swa(x, ctx)
+        if swa is not None:
+            x = x + swa
         y = self.self_attention(self.input_layernorm(x), state, ctx)
+        if swa is not None:
+            y = y + swa
         self.attn_residual.write(state, y, token, ctx)
 
         x, token = self.mlp_residual.read(state, ctx)
