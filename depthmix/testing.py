@@ -73,3 +73,189 @@ def incremental_logits(model, input_ids: torch.Tensor, prefill: int = 1) -> torc
         outs.append(model(input_ids[:, t : t + 1], inference=cache))
         cache.advance(1)
     return torch.cat(outs, dim=1)
+
+
+# ---------------------------------------------------------------------------------------
+# Synthetic data and multi-process runs (parity tests, benchmarks)
+# ---------------------------------------------------------------------------------------
+
+
+def synthetic_sample(seed: int, index: int, seq_length: int, vocab_size: int):
+    """Global sample ``index``: a token sequence that depends only on (seed, index)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    x = torch.randint(0, vocab_size, (seq_length + 1,), generator=g)
+    return x[:-1], x[1:]
+
+
+class SyntheticData:
+    """Random-token micro-batches with Megatron's sampling order: every global batch is
+    cut into micro-batches of ``micro_batch_size * dp`` samples, rank ``r`` taking the
+    ``r``-th slice of each, so every DP size sees the same samples per step."""
+
+    def __init__(self, run: RunConfig, dp_rank: int = 0, dp_size: int = 1, consumed: int = 0,
+                 vocab_size: Optional[int] = None):
+        self.run, self.dp_rank, self.dp_size = run, dp_rank, dp_size
+        self.vocab = vocab_size or run.model.vocab_size
+        self.train_iterator = self._batches(consumed, run.train.seed)
+
+    def _batches(self, start: int, seed: int):
+        t, s = self.run.train, self.run.model.seq_length
+        i = start
+        while True:
+            first = i + self.dp_rank * t.micro_batch_size
+            pairs = [synthetic_sample(seed, first + j, s, self.vocab)
+                     for j in range(t.micro_batch_size)]
+            tokens = torch.stack([p[0] for p in pairs])
+            labels = torch.stack([p[1] for p in pairs])
+            yield {
+                "tokens": tokens,
+                "labels": labels,
+                "loss_mask": torch.ones_like(tokens, dtype=torch.float32),
+                "position_ids": torch.arange(s).unsqueeze(0).expand_as(tokens).clone(),
+            }
+            i += t.micro_batch_size * self.dp_size
+
+    def valid_iterator(self):
+        return self._batches(0, self.run.train.seed + 1)
+
+
+def global_param_name(chunk, name: str) -> str:
+    """``decoder.layers.<local>.x`` -> ``decoder.layers.<global>.x`` for a model chunk."""
+    prefix = "decoder.layers."
+    if name.startswith(prefix):
+        local, rest = name[len(prefix):].split(".", 1)
+        return f"{prefix}{chunk.decoder.layer_indices.start + int(local)}.{rest}"
+    return name
+
+
+def gather_full(model, which: str = "grad") -> dict:
+    """Full (TP-gathered, all-stage) parameters or main grads by global name; collective,
+    every rank gets the dict. For tests and small models only."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from depthmix.pretrain.parallelize import unwrap
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    local = {}
+    for wrapped in model:
+        chunk = unwrap(wrapped)
+        for name, param in chunk.named_parameters():
+            t = param.main_grad if which == "grad" else param.data
+            t = t.detach().float().clone()
+            if tp > 1 and getattr(param, "tensor_model_parallel", False):
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                dist.all_gather(parts, t.contiguous(), group=tp_group)
+                # a shard holds `stride` interleaved pieces (e.g. SwiGLU's gate and up)
+                stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+                pieces = [p.chunk(stride, dim=dim) for p in parts]
+                t = torch.cat([pieces[r][i] for i in range(stride) for r in range(tp)], dim=dim)
+            local[global_param_name(chunk, name)] = t
+    keep = (parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0)
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, local if keep else {})
+    merged = {}
+    for part in everything:
+        merged.update(part)
+    return merged
+
+
+def _layout_worker(rank: int, world_size: int, port: int, runs: list, steps: int,
+                   out_path: str, mode: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from depthmix.pretrain.parallelize import destroy_distributed, unwrap
+    from depthmix.pretrain.trainer import Trainer
+
+    results = []
+    for run in runs:
+        trainer = Trainer(run, data=_DataForRank(run), callbacks=[])
+        result = {"losses": []}
+        if mode == "parity":
+            result["init_params"] = gather_full(trainer.model, "param")
+        for step in range(steps):
+            hook = None
+            if step == 0 and mode == "parity":
+                def hook(model):
+                    result["grads"] = gather_full(model, "grad")
+            result["losses"].append(trainer.train_one_step(after_backward=hook).loss)
+        sent = {unwrap(m).chunk: unwrap(m).transport.bytes_sent for m in trainer.model}
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, sent if parallel_state.get_tensor_model_parallel_rank()
+                               == 0 and parallel_state.get_data_parallel_rank() == 0 else {})
+        result["bytes_sent"] = {k: v for part in everyone for k, v in part.items()}
+        results.append(result)
+        del trainer
+        parallel_state.destroy_model_parallel()
+    if rank == 0:
+        torch.save(results, out_path)
+    destroy_distributed()
+
+
+class _DataForRank:
+    """Builds :class:`SyntheticData` lazily inside the worker (needs the DP rank)."""
+
+    def __init__(self, run: RunConfig):
+        self.run = run
+        self._data = None
+
+    def _get(self):
+        if self._data is None:
+            from megatron.core import parallel_state
+
+            self._data = SyntheticData(self.run, parallel_state.get_data_parallel_rank(),
+                                       parallel_state.get_data_parallel_world_size())
+        return self._data
+
+    @property
+    def train_iterator(self):
+        return self._get().train_iterator
+
+    def valid_iterator(self):
+        return self._get().valid_iterator()
+
+
+def run_layouts(runs: list, world_size: int, steps: int = 3, timeout: float = 600.0,
+                mode: str = "parity") -> list:
+    """Train each run for ``steps`` steps in one group of ``world_size`` gloo processes.
+
+    Returns, per run: ``losses`` per step, ``grads`` (full, by global name, after step 1's
+    backward, before the optimizer), ``init_params``, and payload ``bytes_sent`` per chunk.
+    """
+    import multiprocessing as mp
+    import tempfile
+    import time
+
+    ctx = mp.get_context(os.environ.get("DEPTHMIX_MP_START", "spawn"))
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.pt")
+        procs = [ctx.Process(target=_layout_worker,
+                             args=(r, world_size, port, runs, steps, out, mode))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            if any(p.is_alive() for p in procs):
+                raise TimeoutError(f"rank processes still running after {timeout:.0f}s")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        codes = [p.exitcode for p in procs]
+        if any(codes):
+            raise RuntimeError(f"rank processes failed with exit codes {codes}")
+        return torch.load(out, weights_only=False)
+
+
+def run_layout(run: RunConfig, world_size: int, steps: int = 3, **kwargs) -> dict:
+    return run_layouts([run], world_size, steps, **kwargs)[0]

@@ -57,6 +57,10 @@ def to_transformer_config(run: RunConfig):
         sequence_parallel=p.sequence_parallel,
         use_cpu_initialization=p.use_cpu_initialization,
         deallocate_pipeline_outputs=True,
+        # Interleaved with 2 stages: the previous and next stage are the same rank, and a
+        # batched send of an activation and a gradient to it can be matched in the wrong
+        # order. Megatron's unbatched path puts the two directions on different groups.
+        batch_p2p_comm=not (p.vp is not None and p.pp == 2),
         recompute_granularity="full" if p.recompute == "full" else None,
         recompute_method="uniform" if p.recompute == "full" else None,
         recompute_num_layers=1 if p.recompute == "full" else None,

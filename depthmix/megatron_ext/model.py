@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import (
     LanguageModelEmbedding,
 )
@@ -172,6 +173,7 @@ class DepthMixModel(LanguageModule):
         super().__init__(config=config, pg_collection=pg_collection)
         from depthmix.megatron_ext.mixers import get_mixer
 
+        self.model_type = ModelType.encoder_or_decoder
         mixer = get_mixer(config.mixer.name)
         if submodules is None:
             submodules = mixer.model_spec(config)

@@ -1,0 +1,26 @@
+"""Hooks the trainer calls; every method is optional."""
+
+from __future__ import annotations
+
+
+class Callback:
+    def setup(self, trainer) -> None:
+        """After model/optimizer exist, before data is built (restore state here)."""
+
+    def pre_train(self, trainer) -> None:
+        pass
+
+    def post_step(self, trainer, result) -> None:
+        pass
+
+    def post_eval(self, trainer, result) -> None:
+        pass
+
+    def post_train(self, trainer) -> None:
+        pass
+
+    def on_error(self, trainer, exc: BaseException) -> None:
+        pass
+
+    def close(self, trainer) -> None:
+        pass

@@ -1,0 +1,132 @@
+"""Process groups and model construction, applied in one fixed order.
+
+1. ``init_distributed``: the CPU compatibility shim (no-op with CUDA), the default process
+   group (torchrun's environment, or a single local process), Megatron's TP/PP/DP groups,
+   and the model-parallel RNG seeds.
+2. ``build_model``: one ``DepthMixModel`` per virtual pipeline stage on this rank, sharing a
+   depth-state cache -> ``Float16Module`` for bf16/fp16 -> Megatron DDP.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
+
+from depthmix import cpu_compat
+from depthmix.config.schema import RunConfig
+from depthmix.megatron_ext.model import DepthMixModel
+from depthmix.megatron_ext.transport import DepthStateCache
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    vp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The one rank that sees the loss: last pipeline stage, TP and DP rank 0."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+
+
+def init_distributed(run: RunConfig) -> Topology:
+    """Initialise torch.distributed and Megatron's parallel state (idempotent)."""
+    on_cpu = cpu_compat.activate()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a plain single process: make it a world of one
+            from depthmix.testing import free_port
+
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("gloo" if on_cpu else "nccl")
+    p = run.parallel
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
+            virtual_pipeline_model_parallel_size=p.vp,
+        )
+    model_parallel_cuda_manual_seed(run.train.seed)
+    return Topology(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp=p.tp,
+        pp=p.pp,
+        dp=parallel_state.get_data_parallel_world_size(),
+        vp=p.vp or 1,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+    )
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_model(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module]:
+    """Model chunks of this rank, wrapped for mixed precision and data parallelism."""
+    cache = DepthStateCache()
+    chunks = []
+    for vp_stage in range(topo.vp):
+        chunk = topo.pp_rank + vp_stage * topo.pp
+        model = DepthMixModel(
+            config,
+            pre_process=chunk == 0,
+            post_process=chunk == topo.pp * topo.vp - 1,
+            vp_stage=vp_stage if topo.vp > 1 else None,
+            cache=cache,
+        )
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    if config.fp16 or config.bf16:
+        chunks = [Float16Module(config, m) for m in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=run.parallel.overlap_grad_reduce,
+        overlap_param_gather=run.parallel.overlap_param_gather,
+        use_distributed_optimizer=run.parallel.distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+    return [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,
+                                disable_bucketing=i > 0)
+        for i, m in enumerate(chunks)
+    ]
+
+
+def unwrap(module) -> DepthMixModel:
+    """The ``DepthMixModel`` inside DDP / Float16Module wrappers."""
+    while not isinstance(module, DepthMixModel):
+        module = module.module
+    return module
+
+
+def depth_cache(model: List[torch.nn.Module]) -> DepthStateCache:
+    return unwrap(model[0]).transport.cache

@@ -1,0 +1,136 @@
+"""One optimizer step and one evaluation pass through Megatron's pipeline schedules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from depthmix.pretrain.parallelize import depth_cache, unwrap
+
+Batch = Dict[str, torch.Tensor]
+
+
+def loss_func(loss_mask: torch.Tensor, losses: torch.Tensor):
+    """Token-summed loss of one micro-batch; Megatron divides by tokens and micro-batches."""
+    mask = loss_mask.float()
+    loss = torch.sum(losses.float() * mask)
+    tokens = mask.sum()
+    return loss, tokens.to(torch.int), {"lm loss": torch.stack([loss.detach(), tokens])}
+
+
+def forward_step(data_iterator, model, stats: Optional[dict] = None):
+    batch = next(data_iterator)
+    chunk = unwrap(model)
+    device = next(chunk.parameters()).device
+    tokens = batch["tokens"].to(device)
+    labels = batch["labels"].to(device) if chunk.post_process else None
+    output = model(tokens, batch["position_ids"].to(device), labels=labels, stats=stats)
+    return output, partial(loss_func, batch["loss_mask"].to(device))
+
+
+@dataclass
+class StepResult:
+    loss: float
+    tokens: int
+    grad_norm: Optional[float] = None
+    lr: Optional[float] = None
+    loss_scale: Optional[float] = None
+    skipped: bool = False
+
+
+def _reduce_loss(losses_reduced: List[dict], device) -> tuple:
+    """Mean loss over micro-batches and DP replicas, known on every rank."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    contributes = (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    if contributes:
+        for item in losses_reduced:
+            total += item["lm loss"].to(total)
+    dist.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).item(), int(total[1].item())
+
+
+def _iterators(model, microbatches: List[Batch]):
+    if len(model) == 1:
+        return iter(microbatches)
+    return [iter(microbatches) for _ in model]  # one per virtual stage, same data
+
+
+def run_schedule(model, microbatches: List[Batch], seq_length: int, forward_only: bool,
+                 force_all_reduce: bool = False, stats: Optional[dict] = None):
+    """Forward (and backward) of all micro-batches through Megatron's schedule."""
+    chunk = unwrap(model[0])
+    geometry = chunk.geometry
+    micro_batch_size = microbatches[0]["tokens"].shape[0]
+    kwargs = dict(seq_length=seq_length)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp > 1:
+        if len(model) > 1:  # interleaved: one P2P shape for all transitions
+            kwargs["seq_length"] = geometry.schedule_seq_length()
+        else:
+            kwargs["adjust_tensor_shapes_fn"] = geometry.adjust_tensor_shapes_fn(
+                parallel_state.get_pipeline_model_parallel_rank(), micro_batch_size
+            )
+    depth_cache(model).reset()
+    step_fn = partial(forward_step, stats=stats) if stats is not None else forward_step
+    losses = get_forward_backward_func()(
+        forward_step_func=step_fn,
+        data_iterator=_iterators(model, microbatches),
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=len(microbatches),
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+        force_all_reduce=force_all_reduce,
+        **kwargs,
+    )
+    depth_cache(model).reset()
+    return losses
+
+
+def train_step(model, optimizer, scheduler, microbatches: List[Batch], seq_length: int,
+               force_all_reduce: bool = False, after_backward=None) -> StepResult:
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = run_schedule(model, microbatches, seq_length, forward_only=False,
+                          force_all_reduce=force_all_reduce)
+    if after_backward is not None:
+        after_backward(model)
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=1)
+    device = next(model[0].parameters()).device
+    loss, tokens = _reduce_loss(losses, device)
+    return StepResult(
+        loss=loss,
+        tokens=tokens,
+        grad_norm=float(grad_norm) if grad_norm is not None else None,
+        lr=optimizer.param_groups[0]["lr"],
+        loss_scale=float(optimizer.get_loss_scale().item()),
+        skipped=not ok,
+    )
+
+
+@torch.no_grad()
+def eval_step(model, microbatches: List[Batch], seq_length: int) -> StepResult:
+    for chunk in model:
+        chunk.eval()
+    try:
+        losses = run_schedule(model, microbatches, seq_length, forward_only=True)
+    finally:
+        for chunk in model:
+            chunk.train()
+    loss, tokens = _reduce_loss(losses, next(model[0].parameters()).device)
+    return StepResult(loss=loss, tokens=tokens)
+
+
+def take(iterator: Iterator[Batch], n: int) -> List[Batch]:
+    return [next(iterator) for _ in range(n)]
