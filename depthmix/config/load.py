@@ -27,6 +27,11 @@ _GROUPS = {
 
 
 def _typed(group: str, schema: type, node) -> object:
+    known = {f.name for f in dataclasses.fields(schema)}
+    unknown = sorted(set(node or {}) - known)
+    if unknown:
+        raise ConfigError(f"{group}: unknown option(s) {', '.join(f'{group}.{k}' for k in unknown)}"
+                          f"; known: {', '.join(sorted(known))}")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), node or {})
         return OmegaConf.to_object(merged)
@@ -45,6 +50,18 @@ def resolve(cfg: DictConfig) -> RunConfig:
     mixer_cfg = _typed("mixer", mixer.config_cls, mixer_node)
     mixer_cfg.resolve(groups["model"])
     return RunConfig(mixer=mixer_cfg, output_dir=cfg.get("output_dir", "."), **groups)
+
+
+def compose_run(*overrides: str, config_name: str = "config") -> RunConfig:
+    """Compose ``depthmix/configs`` with command-line style overrides (tests, tools)."""
+    from hydra import compose, initialize_config_module
+
+    from depthmix.config.store import register_configs
+
+    register_configs()
+    with initialize_config_module("depthmix.configs", version_base=None):
+        cfg = compose(config_name, overrides=["output_dir=.", *overrides])
+    return resolve(cfg)
 
 
 def to_container(run: RunConfig) -> dict:

@@ -108,6 +108,15 @@ class Trainer:
         for cb in self.callbacks:
             cb.post_eval(self, result)
 
+    def on_error(self, exc: BaseException) -> None:
+        for cb in self.callbacks:
+            cb.on_error(self, exc)
+
     def close(self) -> None:
         for cb in self.callbacks:
             cb.close(self)
+
+
+def default_callbacks(run: RunConfig) -> List[Callback]:
+    """Console logging on the loss rank (W&B and checkpoints join in their own modules)."""
+    return [ConsoleLogger()]

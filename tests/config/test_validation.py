@@ -1,0 +1,68 @@
+"""Every impossible configuration fails at start-up with one message naming the option."""
+
+import pytest
+from hydra.errors import MissingConfigException
+
+from depthmix.config.load import compose_run
+from depthmix.config.schema import ConfigError
+from depthmix.config.validate import validate
+
+
+
+
+def test_default_config_is_valid():
+    run = compose_run()
+    validate(run, world_size=1)
+    assert run.model.name == "tiny" and run.mixer.name == "vanilla"
+
+
+@pytest.mark.parametrize(
+    "overrides, world, option",
+    [
+        (["model.num_attention_heads=6", "model.num_query_groups=6", "model.hidden_size=192",
+          "parallel=tp2", "parallel.tp=4"], 4, "parallel.tp=4"),
+        (["model.num_query_groups=1", "parallel=tp2"], 2, "model.num_query_groups=1"),
+        (["parallel=pp2", "parallel.pp=3"], 3, "model.num_layers=4"),
+        (["parallel=pp2_vp2", "model.num_layers=6"], 2, "parallel.pp * parallel.vp"),
+        (["train.global_batch_size=12", "train.micro_batch_size=8"], 1,
+         "train.global_batch_size=12"),
+        (["parallel=dp2_distopt", "train.global_batch_size=8", "train.micro_batch_size=8"], 2,
+         "data-parallel size"),
+        (["parallel=tp2"], 3, "world size 3"),
+        (["parallel=tp2", "parallel.dp=2"], 2, "parallel.dp"),
+        (["data=pile", "data.prefixes=[/nonexistent/pile]", "data.tokenizer=/nonexistent.json"], 1,
+         "data.prefixes"),
+        (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel"),
+        (["train.precision=fp8"], 1, "train.precision"),
+        (["model.n_loops=2", "parallel=pp2"], 2, "model.n_loops"),
+    ],
+)
+def test_bad_config_names_the_option(overrides, world, option):
+    with pytest.raises(ConfigError) as info:
+        validate(compose_run(*overrides), world_size=world)
+    assert option in str(info.value)
+
+
+def test_missing_data_path_is_refused():
+    with pytest.raises(Exception) as info:  # Hydra refuses the mandatory ``???`` value
+        validate(compose_run("data=pile"), world_size=1)
+    assert "prefixes" in str(info.value)
+
+
+def test_unknown_preset_is_refused():
+    with pytest.raises(MissingConfigException) as info:
+        compose_run("model=7b")
+    assert "model" in str(info.value) and "7b" in str(info.value)
+
+
+@pytest.mark.parametrize("override", ["model.hiden_size=3", "+model.hiden_size=3"])
+def test_unknown_key_is_refused(override):
+    with pytest.raises(Exception) as info:
+        compose_run(override)
+    assert "hiden_size" in str(info.value)
+
+
+def test_unknown_mixer_is_refused():
+    with pytest.raises(Exception) as info:
+        compose_run("mixer.name=nope")
+    assert "nope" in str(info.value)
