@@ -130,6 +130,12 @@ def activate() -> bool:
     mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
+    # Megatron's RNG tracker forks the "CUDA" generator, which is the CPU one here.
+    import logging
+
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
+        lambda record: "CPU RNG state changed" not in record.getMessage()
+    )
     _CudaToCpuMode().__enter__()
     _ACTIVE = True
     return True
