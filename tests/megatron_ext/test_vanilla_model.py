@@ -11,3 +11,17 @@ def test_incremental_decoding_matches_full_forward(megatron_single):
         full = model(ids)
     inc = incremental_logits(model, ids, prefill=3)
     torch.testing.assert_close(inc, full, rtol=1e-9, atol=1e-9)
+
+
+def test_cached_generation_equals_recomputing_the_prefix(megatron_single):
+    from depthmix.inference.generate import generate
+
+    torch.manual_seed(1)
+    model = build_model(tiny_run("vanilla"), dtype=torch.float64).eval()
+    prompt = torch.randint(0, 128, (2, 4))
+    cached = generate(model, prompt, max_new_tokens=8)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, seq)
