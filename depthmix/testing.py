@@ -43,8 +43,11 @@ def tiny_run(mixer: str = "vanilla", **mixer_options) -> RunConfig:
     m.num_layers, m.hidden_size, m.ffn_hidden_size = 4, 64, 160
     m.num_attention_heads, m.num_query_groups = 4, 2
     m.vocab_size, m.make_vocab_size_divisible_by, m.seq_length = 128, 64, 16
+    from depthmix.kernels.dispatch import resolve_impl
+
     run.mixer = get_mixer(mixer).config_cls(name=mixer, **mixer_options)
     run.mixer.resolve(run.model)
+    run.mixer.impl, _ = resolve_impl(run.mixer.impl)
     run.train.precision = "fp32"
     return run
 

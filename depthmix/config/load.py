@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -16,6 +17,8 @@ from depthmix.config.schema import (
     RunConfig,
     TrainConfig,
 )
+
+log = logging.getLogger("depthmix")
 
 _GROUPS = {
     "model": ModelConfig,
@@ -49,6 +52,12 @@ def resolve(cfg: DictConfig) -> RunConfig:
     mixer = get_mixer(mixer_node.get("name", "vanilla"))
     mixer_cfg = _typed("mixer", mixer.config_cls, mixer_node)
     mixer_cfg.resolve(groups["model"])
+    from depthmix.kernels.dispatch import resolve_impl
+
+    requested = mixer_cfg.impl
+    mixer_cfg.impl, reason = resolve_impl(requested)
+    if requested != mixer_cfg.impl or requested == "auto":
+        log.info("mixer.impl=%s -> %s (%s)", requested, mixer_cfg.impl, reason)
     return RunConfig(mixer=mixer_cfg, output_dir=cfg.get("output_dir", "."), **groups)
 
 
