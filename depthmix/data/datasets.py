@@ -40,9 +40,8 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
-import numpy as np
 import torch
 
 from depthmix.config.schema import ConfigError, RunConfig

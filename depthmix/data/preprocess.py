@@ -95,9 +95,11 @@ def _chunks(it, size: int):
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_path: str, json_key: str) -> None:
-    # Each worker tokenises sequentially; parallelism comes from the processes.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+def _init_worker(tokenizer_path: str, json_key: str, in_pool: bool = True) -> None:
+    if in_pool:
+        # Each worker process tokenises sequentially; parallelism comes from the processes.
+        # (In-process, ``encode_batch`` keeps its own threads.)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from depthmix.data.tokenizer import HFTokenizer
 
     _WORKER["tok"] = HFTokenizer(tokenizer_path)
@@ -178,7 +180,7 @@ def preprocess(inputs: Sequence[str], tokenizer: str, output_prefix: str, json_k
         pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, json_key))
         results = _bounded_imap(pool, _encode_chunk, chunks, max_pending=4 * workers)
     else:
-        _init_worker(tokenizer, json_key)
+        _init_worker(tokenizer, json_key, in_pool=False)
         results = map(_encode_chunk, chunks)
 
     bar = None
@@ -211,6 +213,7 @@ def preprocess(inputs: Sequence[str], tokenizer: str, output_prefix: str, json_k
         if pool is not None:
             pool.terminate()
             pool.join()
+        _WORKER.clear()
         if bar is not None:
             bar.close()
     os.replace(f"{tmp_prefix}.bin", f"{output_prefix}.bin")

@@ -37,10 +37,12 @@ def test_shapes_dtypes_and_shifted_labels(data_cache, make_run):
             sample = ds[2 * i + j]
             assert torch.equal(batch["tokens"][j], sample["tokens"])
             assert torch.equal(batch["labels"][j], sample["labels"])
-    # The tokens are text of the corpus (whole samples span documents, joined by EOD).
-    text = data.tokenizer.decode(batch["tokens"][0])
-    assert any(part and part in "\n".join(iter_documents(300))
-               for part in text.split("<|endoftext|>")[1:-1] or [text[5:-5]])
+    # Samples are corpus text: each piece between end-of-document tokens lies in one document.
+    corpus = "\n".join(iter_documents(300, seed=0))
+    for batch in take(data.train_iterator, 5):
+        for row in batch["tokens"]:
+            pieces = data.tokenizer.decode(row).split("<|endoftext|>")
+            assert all(piece in corpus for piece in pieces)
 
 
 def test_dp2_ranks_together_see_the_dp1_samples(data_cache, make_run):
@@ -91,6 +93,16 @@ def test_valid_iterator_is_fresh_and_finite(data_cache, make_run):
     assert list(data.test_iterator()) == []  # split 90,10,0: no test data
     train_first = next(build_data(run, 1, 2).train_iterator)
     assert not torch.equal(first[0]["tokens"], train_first["tokens"])
+
+
+def test_loader_workers_give_the_same_batches(data_cache, make_run):
+    run = make_run(data_cache)
+    ref = take(build_data(run, 1, 2).train_iterator, 3)
+    run.data.num_workers = 1
+    data = build_data(run, 1, 2)
+    for a, b in zip(ref, take(data.train_iterator, 3)):
+        assert torch.equal(a["tokens"], b["tokens"])
+    assert len(list(data.valid_iterator())) == run.train.eval_iters * data.num_micro_batches
 
 
 def test_seed_changes_order_not_corpus(data_cache, make_run):
