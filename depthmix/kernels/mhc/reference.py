@@ -67,7 +67,8 @@ def mhc_coefficients(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
         alpha: gates ``[3]`` (pre, post, res) or ``[2]`` for ``identity``.
         bias: static biases ``[m]``.
         variant: ``mhc`` (Xie et al. 2025):
-            ``H_pre = sigmoid(a_pre d_pre + b_pre)``, ``H_post = 2 sigmoid(a_post d_post + b_post)``,
+            ``H_pre = sigmoid(a_pre d_pre + b_pre)``,
+            ``H_post = 2 sigmoid(a_post d_post + b_post)``,
             ``H_res = sinkhorn(a_res d_res + b_res)``;
             ``hc`` (Zhu et al. 2025, unconstrained): ``H = b + a tanh(d)`` for all three;
             ``identity``: ``hc`` for pre/post and ``H_res = I``.

@@ -232,3 +232,12 @@ def test_validation_names_the_option(option, value, needle):
 
     with pytest.raises(ConfigError, match=needle):
         validate(tiny_run("ddl", **{option: value}))
+
+
+def test_post_norm_is_refused():
+    from depthmix.config.validate import validate
+
+    run = tiny_run("ddl")
+    run.model.norm_position = "post"
+    with pytest.raises(ConfigError, match="model.norm_position"):
+        validate(run)

@@ -370,3 +370,18 @@ def test_bf16_state_keeps_fp32_coefficients():
     assert h_pre.dtype == h_post.dtype == h_res.dtype == torch.float32
     torch.testing.assert_close(h_res.sum(-1), torch.ones(3, 2, n), rtol=0, atol=1e-3)
     assert math.isclose(h_post.mean().item(), 1.0, abs_tol=0.02)
+
+
+def test_hydra_composes_the_mixers():
+    from depthmix.config.load import compose_run
+    from depthmix.config.validate import validate
+
+    run = compose_run("mixer=mhc", "mixer.variant=hc", "mixer.streams=2",
+                      "mixer.short_swa_window=8")
+    assert (run.mixer.name, run.mixer.variant, run.mixer.streams) == ("mhc", "hc", 2)
+    assert run.mixer.sinkhorn_iters == 20 and run.mixer.short_swa_window == 8
+    validate(run)
+    run = compose_run("mixer=ddl", "mixer.value_channels=2")
+    assert (run.mixer.name, run.mixer.value_channels, run.mixer.beta_init) == ("ddl", 2, 1.0)
+    with pytest.raises(ConfigError, match="mixer.variant='x'"):
+        validate(compose_run("mixer=mhc", "mixer.variant=x"))
