@@ -12,6 +12,8 @@ from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig
 
 MIXER_MODULES = {
     "vanilla": "vanilla",
+    "mhc": "mhc",
+    "ddl": "ddl",
 }
 
 
