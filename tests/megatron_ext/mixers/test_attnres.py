@@ -302,10 +302,10 @@ def test_transitions_send_only_blocks_new_to_the_receiver(layers, block_size, pp
         live = expected_live(layout.start(chunk), block_size, 2 * layers)
         sent = {e.name for e in geo.sent_into(chunk)}
         assert sent == live - held_by_receiver(layout, chunk, block_size), chunk
-        # the cache on the receiver covers exactly the rest
+        # the receiver's cache holds exactly the rest
         prev = chunk - layout.pp
         cached = {e.name for e in geo.cached_after(prev)} if prev >= 0 else set()
-        assert live - sent <= cached
+        assert cached == live - sent, chunk
         total_sent += len(sent)
         total_resend += len(live)
     saving = total_resend / total_sent
