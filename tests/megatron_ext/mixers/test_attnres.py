@@ -35,7 +35,8 @@ def slow_depth_attention(sources, query, gain, eps):
     for t in range(seq):
         cols = []
         for n in range(batch):
-            scores = [torch.exp(torch.dot(query, slow_rmsnorm(y[t, n], gain, eps))) for y in sources]
+            scores = [torch.exp(torch.dot(query, slow_rmsnorm(y[t, n], gain, eps)))
+                      for y in sources]
             total = sum(scores)
             cols.append(sum(a / total * y[t, n] for a, y in zip(scores, sources)))
         rows.append(torch.stack(cols))
@@ -72,7 +73,10 @@ def reference_logits(model, ids, block_size=None):
 
     def read(op):
         rd = op.read_op
-        sources = outputs if block_size is None else blocks + ([partial] if partial is not None else [])
+        if block_size is None:
+            sources = outputs
+        else:
+            sources = blocks + ([partial] if partial is not None else [])
         return slow_depth_attention(sources, rd.query, rd.key_norm.weight, rd.key_norm.eps)
 
     for u, layer in model.decoder.unrolled():
@@ -126,6 +130,8 @@ def ids_for(batch=2, seq=16, seed=0):
     return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
+TWO_CASES = [("attnres_full", {}), ("attnres_block", {"block_size": 4})]
+
 CASES = [
     pytest.param("attnres_full", {}, False, 1, id="full-gqa"),
     pytest.param("attnres_full", {}, True, 1, id="full-mha"),
@@ -165,7 +171,7 @@ def test_block_size_one_equals_full(megatron_single):
                                rtol=1e-12, atol=1e-13)
 
 
-@pytest.mark.parametrize("mixer,options", [("attnres_full", {}), ("attnres_block", {"block_size": 4})])
+@pytest.mark.parametrize("mixer,options", TWO_CASES)
 def test_uniform_weights_at_init(megatron_single, mixer, options):
     model = make(mixer, **options)
     geo = AttnResGeometry.from_config(model.config)
@@ -182,7 +188,8 @@ def test_uniform_weights_at_init(megatron_single, mixer, options):
         torch.testing.assert_close(stats[key], torch.full((count,), 1.0 / count), msg=key)
 
 
-@pytest.mark.parametrize("mixer,options", [("attnres_full", {}), ("attnres_block", {"block_size": 2}),
+@pytest.mark.parametrize("mixer,options", [("attnres_full", {}),
+                                           ("attnres_block", {"block_size": 2}),
                                            ("attnres_block", {"block_size": 8})])
 def test_at_init_equals_plain_residual_up_to_norm_epsilon(megatron_single, mixer, options):
     """Zero queries give the uniform average of the sources, i.e. the residual sum / S;
@@ -194,16 +201,17 @@ def test_at_init_equals_plain_residual_up_to_norm_epsilon(megatron_single, mixer
         torch.testing.assert_close(model(ids), vanilla(ids), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("mixer,options", [("attnres_full", {}), ("attnres_block", {"block_size": 4})])
+@pytest.mark.parametrize("mixer,options", TWO_CASES)
 def test_incremental_decoding_matches_full_forward(megatron_single, mixer, options):
     model = perturb(make(mixer, **options)).eval()
     ids = ids_for()
     with torch.no_grad():
         full = model(ids)
-    torch.testing.assert_close(incremental_logits(model, ids, prefill=3), full, rtol=1e-10, atol=1e-12)
+    inc = incremental_logits(model, ids, prefill=3)
+    torch.testing.assert_close(inc, full, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("mixer,options", [("attnres_full", {}), ("attnres_block", {"block_size": 4})])
+@pytest.mark.parametrize("mixer,options", TWO_CASES)
 def test_recompute_gives_identical_gradients(megatron_single, mixer, options):
     """Same forward bit for bit; gradients equal up to fp64 rounding (an entry read by
     several sublayers of one checkpointed layer has their gradients summed inside the
@@ -261,12 +269,14 @@ def expected_live(boundary, block_size, num_sublayers):
     return names
 
 
-@pytest.mark.parametrize("layers,block_size", [(4, 1), (4, 2), (4, 8), (6, 4), (6, 3), (12, 12), (5, 5)])
+@pytest.mark.parametrize("layers,block_size",
+                         [(4, 1), (4, 2), (4, 8), (6, 4), (6, 3), (12, 12), (5, 5)])
 def test_plan_is_exact(layers, block_size):
     geo = AttnResGeometry(2 * layers, block_size)
     plan = DepthPlan(geo.entries(64), layers)
     for boundary in range(layers + 1):
-        assert plan.live_names(boundary) == expected_live(boundary, block_size, 2 * layers), boundary
+        expected = expected_live(boundary, block_size, 2 * layers)
+        assert plan.live_names(boundary) == expected, boundary
     # the seed-001 matrix view with m = 3: sublayer 4 opens block 2 and reads b0, b1 only
     m3 = AttnResGeometry(6, 3)
     assert [m3.sources(i) for i in range(1, 8)] == [

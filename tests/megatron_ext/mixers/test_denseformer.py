@@ -104,7 +104,8 @@ def test_matches_slow_reference_variants(megatron_single, variant):
 def _compare_with_reference(model, dilation, period):
     ids = ids_for()
     fast, g_fast = loss_and_grads(model, lambda: model(ids), ids)
-    slow, g_slow = loss_and_grads(model, lambda: reference_logits(model, ids, dilation, period), ids)
+    slow, g_slow = loss_and_grads(
+        model, lambda: reference_logits(model, ids, dilation, period), ids)
     torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
     assert set(g_fast) == set(g_slow) and any(".alpha." in n for n in g_fast)
     for name in g_slow:
@@ -132,7 +133,8 @@ def test_incremental_decoding_matches_full_forward(megatron_single):
     ids = ids_for()
     with torch.no_grad():
         full = model(ids)
-    torch.testing.assert_close(incremental_logits(model, ids, prefill=3), full, rtol=1e-10, atol=1e-12)
+    inc = incremental_logits(model, ids, prefill=3)
+    torch.testing.assert_close(inc, full, rtol=1e-10, atol=1e-12)
 
 
 def test_recompute_gives_identical_gradients(megatron_single):
@@ -187,4 +189,5 @@ def test_plan_is_exact(layers, dilation, period):
     geo = DWAGeometry(layers, dilation, period)
     plan = DepthPlan(geo.entries(64), layers)
     for boundary in range(layers + 1):
-        assert plan.live_names(boundary) == expected_live(boundary, layers, dilation, period), boundary
+        expected = expected_live(boundary, layers, dilation, period)
+        assert plan.live_names(boundary) == expected, boundary
