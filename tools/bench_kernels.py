@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Kernel benchmarks: forward and forward+backward time and peak memory, side by side.
+
+Each op ``depthmix/kernels/<op>/bench.py`` defines ``cases(smoke: bool)`` returning
+:class:`Case` objects: a shape id, a function making fresh inputs, and candidates
+(``ours`` = the Triton kernel, ``torch`` = our PyTorch path, ``compile`` = torch.compile of
+it, and public kernels when importable). All candidates of a case run in one process,
+alternating, and the table gives ratios to ``torch``. On a machine without CUDA only a
+smoke shape runs (through the Triton interpreter when TRITON_INTERPRET=1): it checks the
+plumbing; CPU times say nothing about GPU kernels.
+
+    python tools/bench_kernels.py                     # all ops
+    python tools/bench_kernels.py --ops attnres,mhc --reps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List
+
+import torch
+
+OPS = ["depth_mix", "moda_attention", "attnres", "mhc"]
+
+
+@dataclass
+class Case:
+    op: str
+    shape: str
+    make_inputs: Callable[[], tuple]
+    """Returns ``(args, kwargs)``; tensors that need gradients have requires_grad set."""
+    candidates: Dict[str, Callable] = field(default_factory=dict)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _outputs(out) -> List[torch.Tensor]:
+    out = out if isinstance(out, (tuple, list)) else (out,)
+    return [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def measure(fn: Callable, make_inputs: Callable, backward: bool, reps: int, warmup: int):
+    times = []
+    for i in range(warmup + reps):
+        args, kwargs = make_inputs()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        _sync()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if backward:
+            outs = _outputs(out)
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        _sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated() - base) if torch.cuda.is_available() else 0
+    return statistics.median(times), peak
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (default without CUDA)")
+    args = p.parse_args()
+    smoke = args.smoke or not torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    import triton
+
+    print(f"{device} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"{'smoke shapes' if smoke else 'full shapes'} | median of {args.reps}")
+    header = f"{'op':<16}{'shape':<34}{'candidate':<14}{'fwd ms':>9}{'f+b ms':>9}{'f+b/torch':>10}{'peak MiB':>10}"
+    print(header)
+    for op in args.ops.split(","):
+        try:
+            bench = importlib.import_module(f"depthmix.kernels.{op}.bench")
+        except ModuleNotFoundError as e:
+            print(f"{op:<16}(no benchmark: {e.name})")
+            continue
+        for case in bench.cases(smoke):
+            results = {}
+            for name, fn in case.candidates.items():
+                try:
+                    fwd, _ = measure(fn, case.make_inputs, False, args.reps, args.warmup)
+                    both, peak = measure(fn, case.make_inputs, True, args.reps, args.warmup)
+                    results[name] = (fwd, both, peak)
+                except Exception as e:  # a public kernel may refuse a shape; report it
+                    results[name] = e
+            ref = results.get("torch")
+            for name, r in results.items():
+                if isinstance(r, Exception):
+                    print(f"{op:<16}{case.shape:<34}{name:<14}  failed: {type(r).__name__}: {str(r)[:60]}")
+                    continue
+                ratio = r[1] / ref[1] if isinstance(ref, tuple) else float("nan")
+                print(f"{op:<16}{case.shape:<34}{name:<14}{r[0] * 1e3:>9.3f}{r[1] * 1e3:>9.3f}"
+                      f"{ratio:>10.3f}{r[2] / 2**20:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
