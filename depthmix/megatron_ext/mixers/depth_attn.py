@@ -52,7 +52,7 @@ def default_stride(unrolled_layers: int) -> int:
 
 def depth_sources(layer: int, stride: int, mode: str = "anchored") -> Tuple[int, ...]:
     """``S(layer)``, ascending. ``anchored``: ``{j < l : j % s == 0}`` (``s >= L`` is "first
-    layer only", ``s = 1`` every earlier layer); ``relative``: ``{l - s, l - 2s, ...} ∩ [0, l)``."""
+    layer only", ``s = 1`` every earlier layer); ``relative``: ``{l-s, l-2s, ...} ∩ [0, l)``."""
     if mode == "anchored":
         return tuple(range(0, layer, stride))
     if mode == "relative":
