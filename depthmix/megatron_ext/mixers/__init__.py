@@ -13,6 +13,7 @@ from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig
 
 MIXER_MODULES = {
     "vanilla": "vanilla",
+    "depth_attn": "depth_attn",
     "mhc": "mhc",
     "ddl": "ddl",
     "attnres_full": "attnres",
