@@ -48,3 +48,16 @@ def assert_same_grads(a, b, rtol=1e-10, atol=1e-12):
         err = (a[name] - b[name]).norm().item()
         scale = b[name].norm().item()
         assert err <= rtol * scale + atol, f"{name}: |diff| {err:.3e}, |grad| {scale:.3e}"
+
+
+def ids_for(batch=2, seq=16, vocab=128, seed=0):
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_and_grads(model, fn, ids, seed=7):
+    """Logits of ``fn()`` and the parameter gradients of a fixed random projection of them."""
+    weights = torch.randn(ids.shape[0], ids.shape[1], model.vocab_size,
+                          generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    logits = fn()
+    grads = grads_of(model, (logits * weights.to(logits.dtype)).sum())
+    return logits.detach(), grads

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from resop_reference import attention_sublayer, context, embed, ids_for, lm_logits, loss_and_grads, mlp_sublayer
 
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
-from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthPlan
 from depthmix.megatron_ext.layout import PipelineLayout
 from depthmix.megatron_ext.mixers.attnres import AttnResGeometry
@@ -43,30 +43,11 @@ def slow_depth_attention(sources, query, gain, eps):
     return torch.stack(rows)
 
 
-def embed(model, ids):
-    seq = ids.shape[1]
-    pos = torch.arange(seq).unsqueeze(0).expand_as(ids)
-    ctx = ForwardContext(rotary_pos_emb=model.rotary_pos_emb(seq))
-    return model.embedding(input_ids=ids, position_ids=pos), ctx
-
-
-def run_sublayer(layer, which, x, ctx):
-    if which == "attn":
-        return layer.self_attention(layer.input_layernorm(x), {}, ctx)
-    y, _ = layer.mlp(layer.pre_mlp_layernorm(x))
-    return y
-
-
-def to_logits(model, hidden):
-    logits, _ = model.output_layer(model.final_layernorm(hidden))
-    return logits.transpose(0, 1)
-
-
 def reference_logits(model, ids, block_size=None):
     """Full AttnRes (``block_size=None``) from Eq. (7) of seed 001, or Block AttnRes from
     its description: the embedding is block 0, outputs are summed inside a block, a
     sublayer attends over the completed blocks plus its block's (non-empty) partial sum."""
-    emb, ctx = embed(model, ids)
+    emb, ctx = embed(model, ids), context(model, ids.shape[1])
     outputs = [emb]  # Full: y_0 .. y_{i-1}
     blocks, partial = [emb], None  # Block
     count = 0
@@ -82,14 +63,15 @@ def reference_logits(model, ids, block_size=None):
     for u, layer in model.decoder.unrolled():
         ctx.layer = u
         for which, op in (("attn", layer.attn_residual), ("mlp", layer.mlp_residual)):
-            y = run_sublayer(layer, which, read(op), ctx)
+            x = read(op)
+            y = attention_sublayer(layer, x, ctx) if which == "attn" else mlp_sublayer(layer, x)
             count += 1
             outputs.append(y)
             partial = y if partial is None else partial + y
             if block_size is not None and count % block_size == 0:
                 blocks.append(partial)
                 partial = None
-    return to_logits(model, read(model.head))
+    return lm_logits(model, read(model.head))
 
 
 def perturb(model, seed=0):
@@ -114,20 +96,6 @@ def make(mixer, dtype=F64, mha=False, n_loops=1, recompute=False, eps=None, **op
     if recompute:
         run.parallel.recompute = "full"
     return build_model(run, dtype=dtype)
-
-
-def loss_and_grads(model, fn, ids):
-    weights = torch.randn(ids.shape[0], ids.shape[1], model.vocab_size,
-                          generator=torch.Generator().manual_seed(7), dtype=F64)
-    model.zero_grad(set_to_none=True)
-    logits = fn()
-    (logits * weights.to(logits.dtype)).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), grads
-
-
-def ids_for(batch=2, seq=16, seed=0):
-    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 TWO_CASES = [("attnres_full", {}), ("attnres_block", {"block_size": 4})]

@@ -3,10 +3,10 @@
 
 import pytest
 import torch
+from resop_reference import context, embed, ids_for, lm_logits, loss_and_grads
 
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
-from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthPlan
 from depthmix.megatron_ext.mixers.denseformer import DWAGeometry
 from depthmix.testing import build_model, incremental_logits, tiny_run
@@ -42,9 +42,8 @@ def reference_logits(model, ids, dilation, period):
     after blocks with i % p == 0 (Y_i = X_i elsewhere); Y_0 = X_0; logits from Y_L.
     The weighted sum is taken one token at a time."""
     seq = ids.shape[1]
-    pos = torch.arange(seq).unsqueeze(0).expand_as(ids)
-    ctx = ForwardContext(rotary_pos_emb=model.rotary_pos_emb(seq))
-    xs = [model.embedding(input_ids=ids, position_ids=pos)]
+    ctx = context(model, seq)
+    xs = [embed(model, ids)]
     y = xs[0]
 
     def residual(op, x, out):
@@ -67,22 +66,7 @@ def reference_logits(model, ids, dilation, period):
             rows.append(torch.stack([sum(alpha[j] * xs[j][t, n] for j in averaged)
                                      for n in range(ids.shape[0])]))
         y = torch.stack(rows)
-    logits, _ = model.output_layer(model.final_layernorm(y))
-    return logits.transpose(0, 1)
-
-
-def ids_for(batch=2, seq=16, seed=0):
-    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def loss_and_grads(model, fn, ids):
-    weights = torch.randn(ids.shape[0], ids.shape[1], model.vocab_size,
-                          generator=torch.Generator().manual_seed(7), dtype=F64)
-    model.zero_grad(set_to_none=True)
-    logits = fn()
-    (logits * weights.to(logits.dtype)).sum().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                             if p.grad is not None}
+    return lm_logits(model, y)
 
 
 OPTIONS = [(k, p) for k in (1, 2, 3) for p in (1, 2, 3)]
