@@ -61,3 +61,19 @@ def loss_and_grads(model, fn, ids, seed=7):
     logits = fn()
     grads = grads_of(model, (logits * weights.to(logits.dtype)).sum())
     return logits.detach(), grads
+
+
+def run_ids(run, batch=2, seed=0):
+    """Token ids shaped for ``run``'s model."""
+    return ids_for(batch, run.model.seq_length, run.model.vocab_size, seed)
+
+
+def assert_matches_reference(model, ids, reference_logits):
+    """Logits and every parameter gradient of ``model(ids)`` equal the slow reference's
+    (fp64, 1e-10), through a fixed random projection of the logits."""
+    w = torch.randn(ids.shape[0], ids.shape[1], model.vocab_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1))
+    fast = model(ids)
+    torch.testing.assert_close(fast, reference_logits(model, ids), rtol=1e-10, atol=1e-12)
+    assert_same_grads(grads_of(model, (fast * w).sum()),
+                      grads_of(model, (reference_logits(model, ids) * w).sum()))

@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 from resop_reference import (
+    assert_matches_reference,
+    run_ids,
     assert_same_grads,
     attention_sublayer,
     context,
@@ -25,11 +27,6 @@ def make(value_channels=3, gqa=True, dtype=torch.float64, **options):
     if not gqa:
         run.model.num_query_groups = run.model.num_attention_heads
     return run, build_model(run, dtype=dtype)
-
-
-def ids_for(run, batch=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, run.model.vocab_size, (batch, run.model.seq_length), generator=g)
 
 
 # ---------------------------------------------------------------------------------------
@@ -97,13 +94,8 @@ def test_vectorised_matches_paper_reference(megatron_single, value_channels, gqa
         run.model.num_query_groups = run.model.num_attention_heads
     model = build_model(run, dtype=torch.float64)
     randomise_mixing(model)
-    ids = ids_for(run)
-    w = torch.randn(2, 8, model.vocab_size, dtype=torch.float64,
-                    generator=torch.Generator().manual_seed(1))
-    fast = model(ids)
-    torch.testing.assert_close(fast, reference_logits(model, ids), rtol=1e-10, atol=1e-12)
-    assert_same_grads(grads_of(model, (fast * w).sum()),
-                      grads_of(model, (reference_logits(model, ids) * w).sum()))
+    ids = run_ids(run)
+    assert_matches_reference(model, ids, reference_logits)
 
 
 def test_first_sublayer_reads_the_embedding(megatron_single):
@@ -111,7 +103,7 @@ def test_first_sublayer_reads_the_embedding(megatron_single):
     sublayer sees exactly what the vanilla network's first sublayer sees."""
     for dv in (1, 2, 3, 4):
         run, model = make(dv)
-        emb = embed(model, ids_for(run))
+        emb = embed(model, run_ids(run))
         state = model.stem(emb)
         x_in, _ = model.decoder.layers[0].attn_residual.read(state, None)
         # 1/d_v is exact in the fp32 parameters for powers of two; 1/3 is rounded once.
@@ -168,7 +160,7 @@ def test_gate_starts_at_beta_init(megatron_single):
             assert not op.v_bias.any()
     stats = {}
     with torch.no_grad():
-        model(ids_for(run), stats=stats)
+        model(run_ids(run), stats=stats)
     betas = torch.stack([v for k, v in stats.items() if k.endswith("/beta")])
     assert betas.numel() == 2 * run.model.num_layers
     assert (betas - 0.5).abs().max() < 0.05  # gate weights are small at init
@@ -178,7 +170,7 @@ def test_incremental_decoding_matches_full_forward(megatron_single):
     run, model = make(3)
     randomise_mixing(model)
     model.eval()
-    ids = ids_for(run)
+    ids = run_ids(run)
     with torch.no_grad():
         full = model(ids)
     torch.testing.assert_close(incremental_logits(model, ids, prefill=3), full,
@@ -192,7 +184,7 @@ def test_recompute_gives_identical_gradients(megatron_single):
         run.parallel.recompute = recompute
         model = build_model(run, dtype=torch.float64)
         randomise_mixing(model)
-        ids = ids_for(run)
+        ids = run_ids(run)
         grads.append(grads_of(model, model(ids, labels=torch.roll(ids, -1, dims=1)).sum()))
     assert_same_grads(*grads, rtol=0, atol=0)
 

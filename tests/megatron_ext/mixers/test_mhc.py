@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 from resop_reference import (
+    assert_matches_reference,
+    run_ids,
     assert_same_grads,
     attention_sublayer,
     context,
@@ -27,11 +29,6 @@ def make(variant="mhc", streams=3, gqa=True, dtype=torch.float64, **options):
     if not gqa:
         run.model.num_query_groups = run.model.num_attention_heads
     return run, build_model(run, dtype=dtype)
-
-
-def ids_for(run, batch=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, run.model.vocab_size, (batch, run.model.seq_length), generator=g)
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,14 +133,8 @@ def test_vectorised_matches_paper_reference(megatron_single, variant, streams, g
     """Forward logits and every parameter gradient, fp64."""
     run, model = make(variant, streams, gqa, short_swa_window=swa, sinkhorn_iters=7)
     randomise_mixing(model)
-    ids = ids_for(run)
-    w = torch.randn(2, run.model.seq_length, model.vocab_size, dtype=torch.float64,
-                    generator=torch.Generator().manual_seed(1))
-    fast = model(ids)
-    ref = reference_logits(model, ids)
-    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
-    assert_same_grads(grads_of(model, (fast * w).sum()),
-                      grads_of(model, (reference_logits(model, ids) * w).sum()))
+    ids = run_ids(run)
+    assert_matches_reference(model, ids, reference_logits)
 
 
 def test_sinkhorn_is_doubly_stochastic():
@@ -210,7 +201,7 @@ def test_hc_zero_dynamic_one_hot_pre_equals_vanilla_exactly(megatron_single, var
         for name, p in model.named_parameters():
             if name.endswith(".phi"):
                 p.zero_()
-    ids = ids_for(run)
+    ids = run_ids(run)
     with torch.no_grad():
         assert torch.equal(model(ids), vanilla(ids))
 
@@ -226,7 +217,7 @@ def test_mhc_paper_init_closely_matches_vanilla(megatron_single):
     dynamic part alpha (x' phi) with alpha = 0.01 perturbs every coefficient by O(alpha)."""
     _, vanilla = make_vanilla()
     run, model = make("mhc", streams=4)
-    ids = ids_for(run)
+    ids = run_ids(run)
     with torch.no_grad():
         ref = vanilla(ids)
         scale = ref.abs().max().item()
@@ -261,7 +252,7 @@ def test_incremental_decoding_matches_full_forward(megatron_single, variant):
     run, model = make(variant, streams=3)
     randomise_mixing(model)
     model.eval()
-    ids = ids_for(run)
+    ids = run_ids(run)
     with torch.no_grad():
         full = model(ids)
     torch.testing.assert_close(incremental_logits(model, ids, prefill=3), full,
@@ -276,7 +267,7 @@ def test_recompute_gives_identical_gradients(megatron_single, variant):
         run.parallel.recompute = recompute
         model = build_model(run, dtype=torch.float64)
         randomise_mixing(model)
-        ids = ids_for(run)
+        ids = run_ids(run)
         loss = model(ids, labels=torch.roll(ids, -1, dims=1)).sum()
         grads.append(grads_of(model, loss))
     assert_same_grads(*grads, rtol=0, atol=0)
@@ -286,7 +277,7 @@ def test_statistics_are_recorded(megatron_single):
     run, model = make("mhc", streams=3)
     stats = {}
     with torch.no_grad():
-        model(ids_for(run), stats=stats)
+        model(run_ids(run), stats=stats)
     for layer in range(run.model.num_layers):
         for sub in ("attn", "mlp"):
             h_res = stats[f"layer{layer}/{sub}/H_res"]

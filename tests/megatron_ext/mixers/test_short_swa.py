@@ -4,7 +4,7 @@
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from resop_reference import assert_same_grads, context, embed, grads_of, lm_logits, mlp_sublayer
+from resop_reference import assert_matches_reference, run_ids, assert_same_grads, context, embed, grads_of, lm_logits, mlp_sublayer
 
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.attention import causal_sdpa
@@ -18,11 +18,6 @@ def make(window, mixer="vanilla", gqa=True, seq=16, **options):
     if not gqa:
         run.model.num_query_groups = run.model.num_attention_heads
     return run, build_model(run, dtype=torch.float64)
-
-
-def ids_for(run, batch=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, run.model.vocab_size, (batch, run.model.seq_length), generator=g)
 
 
 # ---------------------------------------------------------------------------------------
@@ -72,13 +67,8 @@ def reference_logits(model, ids):
 def test_model_matches_seed_004_block(megatron_single, window, gqa):
     """Forward logits and every parameter gradient (ShortSWA's included), fp64."""
     run, model = make(window, gqa=gqa, seq=8)
-    ids = ids_for(run)
-    w = torch.randn(2, 8, model.vocab_size, dtype=torch.float64,
-                    generator=torch.Generator().manual_seed(1))
-    fast = model(ids)
-    torch.testing.assert_close(fast, reference_logits(model, ids), rtol=1e-10, atol=1e-12)
-    assert_same_grads(grads_of(model, (fast * w).sum()),
-                      grads_of(model, (reference_logits(model, ids) * w).sum()))
+    ids = run_ids(run)
+    assert_matches_reference(model, ids, reference_logits)
 
 
 def test_window_one_mixes_no_positions(megatron_single):
@@ -124,7 +114,7 @@ def test_window_covering_the_sequence_is_causal_attention():
 def test_incremental_decoding_matches_full_forward(megatron_single, mixer, options):
     run, model = make(3, mixer, **options)
     model.eval()
-    ids = ids_for(run)
+    ids = run_ids(run)
     with torch.no_grad():
         full = model(ids)
     torch.testing.assert_close(incremental_logits(model, ids, prefill=3), full,
@@ -136,7 +126,7 @@ def test_cache_keeps_only_the_window(megatron_single):
 
     run, model = make(4)
     model.eval()
-    ids = ids_for(run)
+    ids = run_ids(run)
     cache = KVCache()
     with torch.no_grad():
         model(ids[:, :6], inference=cache)
@@ -154,7 +144,7 @@ def test_recompute_gives_identical_gradients(megatron_single):
         run = tiny_run("vanilla", short_swa_window=3)
         run.parallel.recompute = recompute
         model = build_model(run, dtype=torch.float64)
-        ids = ids_for(run)
+        ids = run_ids(run)
         grads.append(grads_of(model, model(ids, labels=torch.roll(ids, -1, dims=1)).sum()))
     assert_same_grads(*grads, rtol=0, atol=0)
 
