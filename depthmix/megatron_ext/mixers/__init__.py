@@ -12,6 +12,7 @@ from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig
 
 MIXER_MODULES = {
     "vanilla": "vanilla",
+    "moda": "moda",
 }
 
 
