@@ -7,7 +7,7 @@ from megatron.core.transformer.module import MegatronModule
 
 
 class RMSNorm(MegatronModule):
-    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in fp32 (fp64 for fp64 inputs).
+    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in fp32 (fp64 inputs: in fp64).
 
     Acting on a sequence-parallel shard, the weight's gradient differs per TP rank;
     ``weight.sequence_parallel`` tells Megatron's grad finalisation to all-reduce it.
@@ -22,10 +22,10 @@ class RMSNorm(MegatronModule):
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 in fp64 tests
-        x32 = x.to(acc)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 for 16-bit, fp64 stays
+        x32 = x.to(dtype)
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(acc)).to(x.dtype)
+        return (y * self.weight.to(dtype)).to(x.dtype)
 
 
 class QKNorm(RMSNorm):

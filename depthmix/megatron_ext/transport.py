@@ -71,11 +71,14 @@ class TransportGeometry:
         return sorted(sent, key=lambda e: e.name)
 
     def cached_after(self, chunk: int) -> List[Entry]:
-        """Entries a rank keeps after running ``chunk`` for its next chunk ``chunk + P``."""
+        """Entries a rank keeps after running ``chunk`` for its next chunk ``chunk + P``:
+        those live there whose value already exists at the end of ``chunk`` (anything
+        written later arrives with the transition into ``chunk + P``)."""
         nxt = chunk + self.layout.pp
         if nxt >= self.layout.num_chunks:
             return []
-        return self.plan.live_at(self.layout.start(nxt))
+        start, end = self.layout.start(nxt), self.layout.end(chunk)
+        return [e for e in self.plan.live_at(start) if e.version_at(start) < end]
 
     def numel_per_sample(self, entry: Entry) -> int:
         return self.seq_of(entry) * entry.numel_per_token

@@ -21,7 +21,7 @@ class ConsoleLogger(Callback):
         self._seconds += getattr(result, "seconds", 0.0)
         self._steps += 1
         t = trainer.run.train
-        if trainer.step % t.log_interval and trainer.step != t.steps:
+        if trainer.step % t.log_interval and trainer.step not in (1, t.steps):
             return
         per_step = self._seconds / max(self._steps, 1)
         tokens_per_s = trainer.tokens_per_step / per_step if per_step else 0.0
