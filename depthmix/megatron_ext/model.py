@@ -195,7 +195,9 @@ class DepthMixModel(LanguageModule):
             plan=self.plan, layout=self.layout, seq_length=config.seq_length,
             hidden_size=config.hidden_size, tp=tp, sequence_parallel=config.sequence_parallel,
         )
-        self.transport = DepthTransport(self.geometry, self.chunk, cache or DepthStateCache())
+        if cache is None:  # not ``cache or ...``: an empty cache has len() 0
+            cache = DepthStateCache()
+        self.transport = DepthTransport(self.geometry, self.chunk, cache)
 
         seed = config.init_seed
         if pre_process:
