@@ -28,8 +28,12 @@ SHAPES = [
 
 def inputs(sq, sk, b, np_, ng, hn, d, dtype=F64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *shape: torch.randn(*shape, generator=g, dtype=F64).to(dtype).requires_grad_()  # noqa: E731
-    return r(sq, b, np_, hn), r(sk, b, ng, hn), r(sk, b, ng, hn), r(sq, b, ng, d, hn), r(sq, b, ng, d, hn)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64).to(dtype).requires_grad_()
+
+    q, k, v = r(sq, b, np_, hn), r(sk, b, ng, hn), r(sk, b, ng, hn)
+    return q, k, v, r(sq, b, ng, d, hn), r(sq, b, ng, d, hn)
 
 
 def loop_moda(q, k, v, dk, dv):
@@ -44,7 +48,8 @@ def loop_moda(q, k, v, dk, dv):
             for i in range(sq):
                 t = sk - sq + i
                 logits = [q[i, n, h] @ k[j, n, kvh] / math.sqrt(hn) for j in range(t + 1)]
-                logits += [q[i, n, h] @ dk[i, n, kvh, e] / math.sqrt(hn) for e in range(dk.shape[3])]
+                logits += [q[i, n, h] @ dk[i, n, kvh, e] / math.sqrt(hn)
+                           for e in range(dk.shape[3])]
                 w = torch.softmax(torch.stack(logits), 0)
                 o = sum(w[j] * v[j, n, kvh] for j in range(t + 1))
                 o = o + sum(w[t + 1 + e] * dv[i, n, kvh, e] for e in range(dk.shape[3]))
@@ -130,7 +135,8 @@ def test_depth_weights_are_the_depth_part_of_the_softmax():
     assert w.shape == (8, 2, 4, 3) and w.dtype == torch.float32
     # with all values = 1 on depth and 0 on the sequence, the output is the depth mass
     out = moda_attention_reference(q, k, torch.zeros_like(v), dk, torch.ones_like(dv))
-    torch.testing.assert_close(w.sum(-1), out.view(8, 2, 4, 8)[..., 0].float(), rtol=1e-6, atol=1e-7)
+    depth_mass = out.view(8, 2, 4, 8)[..., 0].float()
+    torch.testing.assert_close(w.sum(-1), depth_mass, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

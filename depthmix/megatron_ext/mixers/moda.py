@@ -70,10 +70,10 @@ class MoDAConfig(MixerConfig):
     name: str = "moda"
     ffn_kv_proj: bool = True
     """Each MLP adds a depth entry: a light KV projection of its input (paper's default,
-    Table 3 row 4)."""
+    variants table, row 4)."""
     attn_kv_proj: bool = False
     """Attention layers write a separately projected depth KV of their input instead of
-    reusing their own sequence k/v (Table 3 row 5: +parameters, marginal gain)."""
+    reusing their own sequence k/v (variants table, row 5: +parameters, marginal gain)."""
     depth_window: Optional[int] = None
     """Keep only the most recent W depth entries (the paper's slot-buffer future work,
     sliding-window policy); null = every preceding entry."""

@@ -34,7 +34,8 @@ def rms(x, weight, eps):
 def rope(x, freqs):
     """Rotate-half RoPE of ``x [s, b, n, d]`` with Megatron's frequencies ``[s, 1, 1, d]``."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * torch.cos(freqs).to(x.dtype) + torch.cat([-x2, x1], -1) * torch.sin(freqs).to(x.dtype)
+    cos, sin = torch.cos(freqs).to(x.dtype), torch.sin(freqs).to(x.dtype)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 def project_kv(proj, x, freqs, ng, hn, eps):
@@ -232,7 +233,7 @@ def test_depth_masked_out_equals_vanilla(megatron_single, monkeypatch, ffn, attn
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_extra_parameters_closed_form(megatron_single, ffn, attn, qk_norm):
     """Per projection family: (L - 1) projections (the last layer's entries are never read;
-    seed 003 Table 3: 705.7M - 669.0M = 35 * 2 * 1024 * 512 for its 36 layers), each
+    seed 003 variants table: 705.7M - 669.0M = 35 * 2 * 1024 * 512 for its 36 layers), each
     ``2 * hidden * ng * hn`` weights plus the depth keys' ``hn`` QK-norm gain."""
     run = tiny_run("moda", ffn_kv_proj=ffn, attn_kv_proj=attn)
     run.model.qk_layernorm = qk_norm
@@ -241,7 +242,8 @@ def test_extra_parameters_closed_form(megatron_single, ffn, attn, qk_norm):
     base.model.qk_layernorm = qk_norm
     vanilla = build_model(base, dtype=F64)
     m = run.model
-    L, hidden, ng, hn = m.num_layers, m.hidden_size, m.num_query_groups, m.hidden_size // m.num_attention_heads
+    L, hidden, ng = m.num_layers, m.hidden_size, m.num_query_groups
+    hn = m.hidden_size // m.num_attention_heads
     per_projection = 2 * hidden * ng * hn + (hn if qk_norm else 0)
     expected = (L - 1) * per_projection * (int(ffn) + int(attn))
     total = lambda mdl: sum(p.numel() for p in mdl.parameters())  # noqa: E731
@@ -319,7 +321,8 @@ def test_incremental_decoding_matches_full_forward(megatron_single, options, nor
     torch.testing.assert_close(inc, full, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("options,norm", [({}, "pre"), ({"attn_kv_proj": True, "depth_window": 3}, "post")])
+@pytest.mark.parametrize("options,norm", [({}, "pre"),
+                                          ({"attn_kv_proj": True, "depth_window": 3}, "post")])
 def test_recompute_gives_identical_gradients(megatron_single, options, norm):
     ids = ids_for()
     plain = perturb(make(norm=norm, **options)).train()
