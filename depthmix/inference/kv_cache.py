@@ -8,7 +8,7 @@ position, computed in the same forward. Depth-Attention stores its *mixed* value
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Hashable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -16,17 +16,28 @@ from torch import Tensor
 
 class KVCache:
     def __init__(self):
-        self.keys: Dict[int, Tensor] = {}
-        self.values: Dict[int, Tensor] = {}
+        self.keys: Dict[Hashable, Tensor] = {}
+        self.values: Dict[Hashable, Tensor] = {}
         self.offset = 0
         """Number of tokens already cached (the position of the next token)."""
 
-    def update(self, layer: int, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor]:
-        """Append this forward's ``[s, b, ng, hn]`` keys/values; return all cached so far."""
+    def update(self, layer: Hashable, key: Tensor, value: Tensor,
+               keep: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        """Append this forward's ``[s, b, ng, hn]`` keys/values; return all cached so far.
+
+        ``layer``: the unrolled layer index for the layer's sequence attention, or a
+        namespaced key such as ``("swa", layer)`` for another attention in that layer.
+        ``keep``: afterwards store only the last ``keep`` positions (a sliding window of
+        ``w`` needs ``w - 1``); None keeps everything.
+        """
         if layer in self.keys:
             key = torch.cat([self.keys[layer], key], dim=0)
             value = torch.cat([self.values[layer], value], dim=0)
-        self.keys[layer], self.values[layer] = key, value
+        if keep is None:
+            self.keys[layer], self.values[layer] = key, value
+        else:
+            start = max(0, key.shape[0] - keep)
+            self.keys[layer], self.values[layer] = key[start:], value[start:]
         return key, value
 
     def advance(self, num_tokens: int) -> None:

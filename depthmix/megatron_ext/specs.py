@@ -35,10 +35,11 @@ def get_attention_spec(config, depth_mixer=None, core_attention=SDPACoreAttentio
 
 
 def get_decoder_layer_submodules(config) -> DepthMixLayerSubmodules:
-    """The vanilla layer: pre-norm (or post-norm) attention and SwiGLU MLP."""
+    """The vanilla layer: pre-norm (or post-norm) attention and SwiGLU MLP, plus the
+    sequence-axis ShortSWA sublayer when ``mixer.short_swa_window > 0``."""
     post = config.norm_position == "post"
     residual = ModuleSpec(module=ResidualOp, params={"post_norm": RMSNorm if post else None})
-    return DepthMixLayerSubmodules(
+    layer = DepthMixLayerSubmodules(
         input_layernorm=IdentityOp if post else RMSNorm,
         self_attention=get_attention_spec(config),
         pre_mlp_layernorm=IdentityOp if post else RMSNorm,
@@ -50,6 +51,11 @@ def get_decoder_layer_submodules(config) -> DepthMixLayerSubmodules:
         attn_residual=residual,
         mlp_residual=residual,
     )
+    if getattr(config.mixer, "short_swa_window", 0) > 0:  # seed 004's ShortSWA, any mixer
+        from depthmix.megatron_ext.mixers.short_swa import get_short_swa_spec
+
+        layer.short_swa = get_short_swa_spec(config)
+    return layer
 
 
 def get_model_submodules(config, layer: DepthMixLayerSubmodules, **overrides):

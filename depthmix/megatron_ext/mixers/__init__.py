@@ -1,6 +1,7 @@
 """Registry of depth mixers: ``mixer=<name>`` selects ``depthmix.megatron_ext.mixers.<name>``.
 
-Each module defines ``MIXER`` (a :class:`~depthmix.megatron_ext.mixers.base.Mixer`).
+Each module defines ``MIXER`` (a :class:`~depthmix.megatron_ext.mixers.base.Mixer`), or
+``MIXERS`` (name -> Mixer) when one module holds several variants.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig
 
 MIXER_MODULES = {
     "vanilla": "vanilla",
+    "mhc": "mhc",
+    "ddl": "ddl",
+    "attnres_full": "attnres",
+    "attnres_block": "attnres",
+    "denseformer": "denseformer",
     "moda": "moda",
 }
 
@@ -24,7 +30,7 @@ def get_mixer(name: str) -> Mixer:
     if name not in MIXER_MODULES:
         raise ConfigError(f"mixer={name!r} is unknown; choose one of {available()}")
     module = importlib.import_module(f"depthmix.megatron_ext.mixers.{MIXER_MODULES[name]}")
-    return module.MIXER
+    return module.MIXERS[name] if hasattr(module, "MIXERS") else module.MIXER
 
 
 __all__ = ["Mixer", "MixerConfig", "available", "get_mixer"]

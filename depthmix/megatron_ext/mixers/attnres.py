@@ -1,0 +1,274 @@
+"""Attention Residuals, Full and Block (seeds 001/002): softmax attention over depth
+replaces the residual sum.
+
+Sublayers are numbered ``i = 1..N`` over the unrolled model (``N = 2 * layers``; layer
+``l``'s attention is ``2l + 1``, its MLP ``2l + 2``), ``y_0`` is the embedding output and
+``y_i`` sublayer ``i``'s output. Full AttnRes feeds sublayer ``i`` with::
+
+    h_i = sum_{s < i} softmax_s(w_i . RMSNorm_i(y_s)) y_s
+
+and the final norm reads one more such aggregate (``i = N + 1``, the model ``head``).
+``w_i`` (the pseudo-query) starts at zero, so every read starts as the uniform average
+of its sources -- through the pre-norm, the plain residual network.
+
+Block AttnRes (``block_size = m``): the embedding is block 0; sublayers ``1..m`` form
+block 1, ``m+1..2m`` block 2, and so on. A block's outputs are summed; sublayer ``i``
+attends over the completed block sums ``b_0 .. b_{k-1}`` plus the partial sum of its
+own block ``k``, ``p = sum of y over block k's sublayers before i``. At a block's first
+sublayer that partial sum is empty and is left out (the seed-001 matrix view), so
+``m = 1`` gives back Full AttnRes exactly.
+
+Depth state (hidden-side, on the sequence-parallel shard): Full keeps ``y{s}``, every
+sublayer output still to be read; Block keeps the completed sums ``b{k}`` and the
+running partial ``p{k}``. The plan lists each entry's exact writer and reader layers, so
+the pipeline transport sends into a chunk only what the receiving rank does not hold
+yet (the paper's cross-stage caching), see ``docs/methods/attnres.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, List, Tuple
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from torch import Tensor
+
+from depthmix.config.schema import ConfigError
+from depthmix.kernels.attnres import attnres
+from depthmix.megatron_ext.context import ForwardContext
+from depthmix.megatron_ext.depth_state import STEM, DepthState, Entry
+from depthmix.megatron_ext.layer import ResidualOp
+from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig
+from depthmix.megatron_ext.model import StateHead, StateStem
+from depthmix.megatron_ext.norm import RMSNorm
+from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
+
+
+# ---------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------
+
+
+def _check_pre_norm(model) -> None:
+    if model.norm_position != "pre":
+        raise ConfigError(
+            f"model.norm_position={model.norm_position!r}: Attention Residuals replace the "
+            "residual sum and need pre-norm sublayers (the paper's 'In Norm'); use 'pre'"
+        )
+
+
+@dataclass
+class AttnResConfig(MixerConfig):
+    """Full Attention Residuals: every sublayer attends over all earlier outputs."""
+
+    name: str = "attnres_full"
+
+    @property
+    def sublayers_per_block(self) -> int:
+        return 1
+
+    def validate(self, model, parallel) -> None:
+        super().validate(model, parallel)
+        _check_pre_norm(model)
+
+
+@dataclass
+class BlockAttnResConfig(MixerConfig):
+    """Block Attention Residuals: attention over block sums and the current partial sum."""
+
+    name: str = "attnres_block"
+    block_size: int = 12
+    """Sublayers per block (attention and MLP count separately). The paper's baseline is
+    12 (about 8 blocks); 1 is Full AttnRes. Must divide ``2 * num_layers * n_loops``."""
+
+    @property
+    def sublayers_per_block(self) -> int:
+        return self.block_size
+
+    def validate(self, model, parallel) -> None:
+        super().validate(model, parallel)
+        _check_pre_norm(model)
+        if self.block_size < 1:
+            raise ConfigError(f"mixer.block_size={self.block_size} must be >= 1")
+        sublayers = 2 * model.num_layers * model.n_loops
+        if sublayers % self.block_size:
+            raise ConfigError(
+                f"mixer.block_size={self.block_size} must divide the number of sublayers "
+                f"2 * model.num_layers * model.n_loops = {sublayers}"
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# Which entries a sublayer reads and writes
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttnResGeometry:
+    """Sources and writes of every sublayer; ``block_size = 1`` is Full AttnRes.
+
+    Sublayers are 1-based, ``num_sublayers + 1`` is the head. Entry names: completed
+    blocks ``b{k}`` (``y{s}`` for Full, where block ``s`` is sublayer ``s``), the
+    running partial sum of block ``k`` ``p{k}``.
+    """
+
+    num_sublayers: int
+    block_size: int = 1
+
+    @classmethod
+    def from_config(cls, config) -> "AttnResGeometry":
+        return cls(2 * config.unrolled_layers, config.mixer.sublayers_per_block)
+
+    @property
+    def head(self) -> int:
+        return self.num_sublayers + 1
+
+    def block_name(self, k: int) -> str:
+        return f"y{k}" if self.block_size == 1 else f"b{k}"
+
+    @staticmethod
+    def partial_name(k: int) -> str:
+        return f"p{k}"
+
+    def block_of(self, i: int) -> int:
+        """Block of sublayer ``i >= 1`` (the head opens block ``N/m + 1``)."""
+        return (i - 1) // self.block_size + 1
+
+    def position_in_block(self, i: int) -> int:
+        return (i - 1) % self.block_size
+
+    @staticmethod
+    def layer_of(i: int) -> int:
+        """Unrolled layer running sublayer ``i`` (the head maps to ``num_layers``)."""
+        return (i - 1) // 2
+
+    @staticmethod
+    def sublayer(layer: int, which: str) -> int:
+        return 2 * layer + (1 if which == "attn" else 2)
+
+    def sources(self, i: int) -> List[str]:
+        """Entries sublayer ``i`` attends over: completed blocks, then the partial sum."""
+        k = self.block_of(i)
+        names = [self.block_name(j) for j in range(k)]
+        if self.position_in_block(i) > 0:
+            names.append(self.partial_name(k))
+        return names
+
+    def write(self, state: DepthState, i: int, output: Tensor) -> None:
+        """Add sublayer ``i``'s output to its block; a full block becomes ``b{k}``."""
+        k, pos = self.block_of(i), self.position_in_block(i)
+        total = output if pos == 0 else state.pop(self.partial_name(k)) + output
+        if pos == self.block_size - 1:
+            state[self.block_name(k)] = total
+        else:
+            state[self.partial_name(k)] = total
+
+    def entries(self, hidden_size: int) -> List[Entry]:
+        """The plan: exact writer and reader layers of every entry.
+
+        A read by the layer that wrote the entry happens inside that layer and is not
+        listed (the plan only describes layer boundaries).
+        """
+        n, m = self.num_sublayers, self.block_size
+        out = []
+        for k in range(n // m + 1):
+            last = k * m  # the sublayer completing block k (0: the embedding)
+            writer = STEM if k == 0 else self.layer_of(last)
+            readers = sorted({self.layer_of(i) for i in range(last + 1, self.head + 1)} - {writer})
+            out.append(Entry(self.block_name(k), (writer,), tuple(readers), (hidden_size,)))
+        if m > 1:
+            for k in range(1, n // m + 1):
+                first = (k - 1) * m + 1
+                writers = sorted({self.layer_of(i) for i in range(first, first + m - 1)})
+                readers = sorted({self.layer_of(i) for i in range(first + 1, first + m)}
+                                 - {writers[0]})
+                if readers:  # else written and read inside one layer only
+                    out.append(Entry(self.partial_name(k), tuple(writers), tuple(readers),
+                                     (hidden_size,)))
+        return out
+
+
+def attnres_plan(config, tp: int) -> List[Entry]:
+    return AttnResGeometry.from_config(config).entries(config.hidden_size)
+
+
+# ---------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------
+
+
+class PseudoQueryRead(MegatronModule):
+    """One AttnRes read: a zero-initialised pseudo-query and an RMSNorm on the keys."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config=config)
+        self.query = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype))
+        self.key_norm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+        for p in (self.query, self.key_norm.weight):
+            # depth-mixing parameters: no weight decay; under sequence parallelism they
+            # see only this rank's tokens, so Megatron all-reduces their grads over TP
+            p.no_weight_decay = True
+            p.sequence_parallel = config.sequence_parallel
+        self.geometry = AttnResGeometry.from_config(config)
+
+    def aggregate(self, state: DepthState, i: int) -> Tuple[Tensor, Tensor]:
+        """(``h_i`` ``[s, b, h]``, weights ``[S, s, b]``) over sublayer ``i``'s sources."""
+        sources = [state[name] for name in self.geometry.sources(i)]
+        return attnres(sources, self.query, self.key_norm.weight, self.key_norm.eps,
+                       return_weights=True)
+
+
+class AttnResResidual(ResidualOp):
+    """``attn_residual`` / ``mlp_residual``: the sublayer reads an AttnRes aggregate and
+    its output joins the depth state (no residual sum)."""
+
+    def __init__(self, config, layer_number: int = 1, sublayer: str = "attn", **kwargs):
+        super().__init__(config, layer_number=layer_number, sublayer=sublayer)
+        self.read_op = PseudoQueryRead(config)
+
+    def read(self, state: DepthState, ctx: ForwardContext) -> Tuple[Tensor, Any]:
+        i = AttnResGeometry.sublayer(ctx.layer, self.sublayer)
+        x, weights = self.read_op.aggregate(state, i)
+        if ctx.stats is not None:
+            ctx.record(f"attnres_{self.sublayer}", weights.mean(dim=(1, 2)))
+        return x, None
+
+    def write(self, state: DepthState, output: Tensor, token: Any, ctx: ForwardContext) -> None:
+        i = AttnResGeometry.sublayer(ctx.layer, self.sublayer)
+        self.read_op.geometry.write(state, i, output)
+
+
+class AttnResStem(StateStem):
+    """The embedding output is source ``y_0`` (block 0)."""
+
+    def forward(self, embeddings: Tensor) -> DepthState:
+        return {AttnResGeometry.from_config(self.config).block_name(0): embeddings}
+
+
+class AttnResHead(StateHead):
+    """The final norm reads one more aggregate, over every block (sublayer ``N + 1``)."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config=config)
+        self.read_op = PseudoQueryRead(config)
+
+    def forward(self, state: DepthState, ctx: ForwardContext) -> Tensor:
+        x, weights = self.read_op.aggregate(state, self.read_op.geometry.head)
+        if ctx.stats is not None:
+            ctx.stats["head/attnres"] = weights.mean(dim=(1, 2)).detach().float()
+        return x
+
+
+def get_attnres_model_spec(config):
+    layer = dataclasses.replace(get_decoder_layer_submodules(config),
+                                attn_residual=AttnResResidual, mlp_residual=AttnResResidual)
+    return get_model_submodules(config, layer, stem=AttnResStem, head=AttnResHead)
+
+
+MIXER_FULL = Mixer(name="attnres_full", config_cls=AttnResConfig,
+                   model_spec=get_attnres_model_spec, plan=attnres_plan)
+MIXER_BLOCK = Mixer(name="attnres_block", config_cls=BlockAttnResConfig,
+                    model_spec=get_attnres_model_spec, plan=attnres_plan)
+MIXERS = {m.name: m for m in (MIXER_FULL, MIXER_BLOCK)}
