@@ -19,6 +19,7 @@ MIXER_MODULES = {
     "attnres_full": "attnres",
     "attnres_block": "attnres",
     "denseformer": "denseformer",
+    "moda": "moda",
 }
 
 
