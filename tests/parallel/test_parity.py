@@ -26,7 +26,7 @@ CASES.update({
     "depth_attn": ("depth_attn", {"stride": 1}),
     "attnres_block": ("attnres_block", {"block_size": 2}),
     "mhc": ("mhc", {"streams": 2}),
-    "moda": ("moda", {"depth_window": 3}),
+    "moda": ("moda", {"depth_window": 3, "attn_kv_proj": True}),
     "vanilla+short_swa": ("vanilla", {"short_swa_window": 4}),
 })
 CASES = {k: v for k, v in CASES.items() if v[0] in available()}
