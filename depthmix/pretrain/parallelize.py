@@ -61,6 +61,12 @@ def init_distributed(run: RunConfig) -> Topology:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("gloo" if on_cpu else "nccl")
     p = run.parallel
+    if parallel_state.model_parallel_is_initialized() and (
+        parallel_state.get_tensor_model_parallel_world_size() != p.tp
+        or parallel_state.get_pipeline_model_parallel_world_size() != p.pp
+        or parallel_state.get_virtual_pipeline_model_parallel_world_size() != p.vp
+    ):  # a later job of a multirun in the same process asks for another layout
+        parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tp,

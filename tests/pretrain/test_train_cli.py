@@ -27,3 +27,40 @@ def test_tiny_model_learns_on_the_embedded_corpus(tmp_path):
     assert losses[1] > 6.0, "the first step should be near ln(vocab)"
     assert losses[60] < 0.5 * losses[1], losses
     assert re.search(r"^eval step\s+60 \| loss [0-9.]+ \| ppl", out, re.M), out
+
+
+def test_every_mixer_learns_in_one_multirun(tmp_path):
+    """`depthmix-train -m mixer=a,b,...`: each mixer trains the tiny model (6 layers, so
+    Block AttnRes' default 12-sublayer block fits) with its loss falling, each job in its
+    own output directory."""
+    from depthmix.megatron_ext.mixers import available
+
+    mixers = available()
+    cmd = [sys.executable, "-m", "depthmix.pretrain.train", "-m", "logger=none",
+           f"hydra.sweep.dir={tmp_path}/sweep", f"data.cache_dir={tmp_path}/cache",
+           "model=tiny", "model.num_layers=6", f"mixer={','.join(mixers)}", "train.steps=30",
+           "train.log_interval=30",
+           "train.eval_interval=0", "train.micro_batch_size=16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    jobs = re.split(r"^\[[^\]]*\]\[HYDRA\]\s+#\d+ : ", proc.stdout, flags=re.M)[1:]
+    assert len(jobs) == len(mixers), proc.stdout[-3000:]
+    for mixer, job in zip(mixers, jobs):
+        assert f" mixer={mixer} " in job.split("\n", 1)[0], job[:300]
+        losses = {int(s): float(v) for s, v in LINE.findall(job)}
+        assert sorted(losses) == [1, 30], (mixer, job[-1500:])
+        assert losses[30] < 0.75 * losses[1], (mixer, losses)
+    assert len([d for d in (tmp_path / "sweep").iterdir() if d.is_dir()]) == len(mixers)
+
+
+def test_stride_sweep(tmp_path):
+    """The README's sweep form: `-m mixer=depth_attn mixer.stride=1,2`."""
+    cmd = [sys.executable, "-m", "depthmix.pretrain.train", "-m", "logger=none",
+           f"hydra.sweep.dir={tmp_path}/sweep", f"data.cache_dir={tmp_path}/cache",
+           "mixer=depth_attn", "mixer.stride=1,2", "train.steps=2", "train.log_interval=1",
+           "train.eval_interval=0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mixer.stride=1" in proc.stdout and "mixer.stride=2" in proc.stdout
+    dirs = sorted(d.name for d in (tmp_path / "sweep").iterdir() if d.is_dir())
+    assert len(dirs) == 2 and any("stride=1" in d for d in dirs) and any("stride=2" in d for d in dirs)
