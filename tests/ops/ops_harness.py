@@ -107,7 +107,9 @@ def train(run, callbacks=()) -> tuple:
     recorder = Recorder()
     trainer = Trainer(copy.deepcopy(run), data=SyntheticData,
                       callbacks=[recorder, *callbacks])
-    facts = {"start_step": trainer.step, "resumed_from": getattr(trainer, "resumed_from", None)}
+    facts = {"start_step": trainer.step, "resumed_from": getattr(trainer, "resumed_from", None),
+             "params": sum(p.numel() for chunk in trainer.model for p in chunk.parameters()),
+             "pp_rank": trainer.topo.pp_rank}
     try:
         trainer.train()
     finally:

@@ -33,12 +33,12 @@ def _ab(parallel: dict, root: str) -> dict:
 
     run_a = make_run(**parallel)
     run_a.train.save_dir, run_a.train.save_interval, run_a.train.keep_last = root, 3, 0
-    a, _ = train(run_a, [CheckpointCallback()])
+    a, a_facts = train(run_a, [CheckpointCallback()])
     run_b = make_run(**parallel)
     run_b.train.load_dir = step_dir(root, 3)
     run_b.train.save_dir = root + "_resumed"
     b, b_facts = train(run_b, [CheckpointCallback()])
-    return {"A": a, "B": b, "B_facts": b_facts}
+    return {"A": a, "B": b, "A_facts": a_facts, "B_facts": b_facts}
 
 
 def _world2(tmp: str) -> dict:
@@ -123,3 +123,13 @@ def test_checkpoint_directory_layout(results):
     assert meta["step"] == 3 and meta["consumed_train_samples"] == 24
     assert meta["layout"]["tp"] == 2 and meta["layout"]["pp"] == 1
     assert not [n for n in os.listdir(root) if n.startswith((".tmp", ".trash"))]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_2))
+def test_memory_estimate_counts_each_ranks_parameters(results, layout):
+    from depthmix.pretrain.accounting import estimate
+
+    per_stage = estimate(make_run(**LAYOUTS_2[layout]), world_size=2)
+    for per_rank in results["world2"]:
+        facts = per_rank[layout]["A_facts"]
+        assert per_stage[facts["pp_rank"]].params == facts["params"], layout
