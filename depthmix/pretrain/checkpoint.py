@@ -27,6 +27,7 @@ unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -329,7 +330,8 @@ def load(trainer, path: str, load_optimizer: bool = True) -> dict:
         for i, chunk in enumerate(trainer.model):
             chunk.module.load_state_dict(loaded[_model_key(i, len(trainer.model))], strict=True)
         if load_optimizer:
-            trainer.optimizer.load_state_dict(loaded["optimizer"])
+            with _keep_adam_steps(trainer.optimizer, optim_format):
+                trainer.optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(trainer.optimizer)
         else:
             trainer.optimizer.reload_model_params()
@@ -348,17 +350,49 @@ def load(trainer, path: str, load_optimizer: bool = True) -> dict:
     return meta
 
 
+@contextlib.contextmanager
+def _keep_adam_steps(optimizer, optim_format: str):
+    """Work around Megatron 0.16.1's fully_reshardable loader with torch's Adam (no
+    TE/Apex): it copies every per-param state entry, ``step`` included, from checkpoint
+    tensors that never contain ``step`` (KeyError 'step'). While loading, hand it each
+    param's current ``step`` (already set from the param groups) to copy onto itself."""
+    patched = []
+    if optim_format == "fully_reshardable":
+        for opt in _distributed_optimizers(optimizer):
+            original = opt._set_main_param_and_optimizer_states
+
+            def with_step(model_param, tensors, opt=opt, original=original):
+                if "step" not in tensors:
+                    group, order = opt.model_param_group_index_map[model_param]
+                    main = opt.optimizer.param_groups[group]["params"][order]
+                    step = opt.optimizer.state.get(main, {}).get("step")
+                    if step is not None:
+                        tensors = {**tensors, "step": step}
+                return original(model_param, tensors)
+
+            opt._set_main_param_and_optimizer_states = with_step
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
 def _restore_adam_steps(optimizer) -> None:
-    """Distributed optimizer: the loaded per-group ``step`` must reach each param's state,
-    or Adam's bias correction restarts from step 1."""
+    """Distributed optimizer with torch's Adam: the loaded per-group ``step`` must reach
+    each param's state, or Adam's bias correction restarts from step 1."""
     for opt in _distributed_optimizers(optimizer):
         for group in opt.optimizer.param_groups:
-            if "step" not in group:
+            if group.get("step") is None:
                 continue
             for p in group["params"]:
                 st = opt.optimizer.state.get(p)
-                if st is not None and torch.is_tensor(st.get("step")):
-                    st["step"] = torch.full_like(st["step"], float(group["step"]))
+                if st is None or "exp_avg" not in st:
+                    continue
+                old = st.get("step")
+                st["step"] = (torch.full_like(old, float(group["step"])) if torch.is_tensor(old)
+                              else torch.tensor(float(group["step"]), dtype=torch.float32))
 
 
 def _load_scheduler(scheduler, saved: dict) -> None:

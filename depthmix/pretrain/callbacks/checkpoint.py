@@ -56,9 +56,7 @@ class CheckpointCallback(Callback):
     def save(self, trainer) -> None:
         if self.last_saved_step == trainer.step:
             return
-        extra = {"wandb_run_id": getattr(trainer, "wandb_run_id", None)}
-        ckpt.save(trainer, trainer.save_dir, keep_last=trainer.run.train.keep_last,
-                  extra_meta=extra)
+        ckpt.save(trainer, trainer.save_dir, keep_last=trainer.run.train.keep_last)
         self.last_saved_step = trainer.step
         if trainer.topo.is_logging_rank:
             print(f"saved checkpoint {ckpt.step_dir(trainer.save_dir, trainer.step)}", flush=True)

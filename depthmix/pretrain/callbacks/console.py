@@ -17,8 +17,15 @@ class ConsoleLogger(Callback):
         self._steps = 0
 
     def _emit(self, trainer, text: str) -> None:
-        if trainer.topo.is_logging_rank:
-            self.printer(text, flush=True) if self.printer is print else self.printer(text)
+        if not trainer.topo.is_logging_rank:
+            return
+        bar = getattr(trainer, "progress_bar", None)
+        if bar is not None and self.printer is print:
+            bar.write(text)  # above the progress bar instead of through it
+        elif self.printer is print:
+            print(text, flush=True)
+        else:
+            self.printer(text)
 
     def post_step(self, trainer, result) -> None:
         from depthmix.pretrain.accounting import memory_stats, throughput

@@ -25,6 +25,7 @@ class ProgressBar(Callback):
             return
         self.bar = tqdm(total=trainer.run.train.steps, initial=trainer.step, unit="step",
                         dynamic_ncols=True, leave=False)
+        trainer.progress_bar = self.bar  # ConsoleLogger writes above it
 
     def post_step(self, trainer, result) -> None:
         if self.bar is not None:
@@ -40,3 +41,4 @@ class ProgressBar(Callback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+            trainer.progress_bar = None

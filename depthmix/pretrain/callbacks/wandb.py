@@ -41,6 +41,16 @@ def _pil_available() -> bool:
         return False
 
 
+def default_name(run) -> str:
+    """``<model>-<mixer>-<job>``: the job is the output directory's name, or its parent's
+    when that name is just ``<model>_<mixer>`` (e.g. ``3b-moda-slurm-4242``)."""
+    path = os.path.normpath(os.path.abspath(run.output_dir))
+    job = os.path.basename(path)
+    if job == f"{run.model.name}_{run.mixer.name}":
+        job = os.path.basename(os.path.dirname(path))
+    return f"{run.model.name}-{run.mixer.name}-{job}"
+
+
 class WandbLogger(Callback):
     def __init__(self):
         self.run = None  # the wandb Run, on the logging rank only
@@ -91,8 +101,7 @@ class WandbLogger(Callback):
         directory = lg.dir or run.output_dir
         os.makedirs(directory, exist_ok=True)
         self.run = wandb.init(
-            project=lg.project, entity=lg.entity,
-            name=lg.name or f"{run.model.name}-{run.mixer.name}-{os.path.basename(os.path.normpath(run.output_dir))}",
+            project=lg.project, entity=lg.entity, name=lg.name or default_name(run),
             dir=directory, mode=lg.mode, id=run_id, resume="allow", config=config,
             tags=list(lg.tags) or None, settings=wandb.Settings(console="off"),
         )
