@@ -105,3 +105,97 @@ def test_summarise_depth_stats():
     assert scalars["depth/w/entropy/layer0"] == 0.0
     assert scalars["depth/w/max/layer2"] == pytest.approx(0.4)
     assert scalars["depth/gate/layer2"] == pytest.approx(0.7)
+
+
+def _fake_trainer(logging_rank: bool):
+    import types
+
+    from depthmix.testing import tiny_run
+
+    run = tiny_run()
+    run.train.log_interval, run.train.steps = 2, 10
+    trainer = types.SimpleNamespace(
+        run=run, config=None, step=0, tokens_per_step=1000,
+        topo=types.SimpleNamespace(world_size=2, is_logging_rank=logging_rank))
+    trainer._train_flops_per_token, trainer._peak_tflops = 6e9, 10.0
+    return trainer
+
+
+def _step(trainer, callbacks):
+    import types
+
+    trainer.step += 1
+    result = types.SimpleNamespace(loss=2.5, lr=1e-3, grad_norm=0.75, loss_scale=1.0,
+                                   skipped=False, seconds=0.25)
+    for cb in callbacks:
+        cb.post_step(trainer, result)
+
+
+def test_console_line_fields_and_quiet_ranks():
+    from depthmix.pretrain.callbacks import ConsoleLogger
+
+    for logging_rank in (True, False):
+        lines = []
+        trainer = _fake_trainer(logging_rank)
+        console = ConsoleLogger(printer=lines.append)
+        for _ in range(4):
+            _step(trainer, [console])
+        if not logging_rank:
+            assert lines == []
+            continue
+        assert len(lines) == 2  # every log_interval=2 steps
+        line = lines[-1]
+        # 1000 tokens / 0.25 s = 4000 tok/s; x 6 GFLOP / 2 devices = 12 TFLOP/s; / 10 = 120%
+        for part in ("step      4/10", "loss 2.5000", "lr 1.000e-03", "grad 0.750", "scale 1",
+                     "4,000 tok/s", "12.00 TFLOP/s", "MFU 120.0%", "rss ", "0.250 s/step"):
+            assert part in line, (part, line)
+
+
+def test_progress_bar_carries_the_log_lines(capsys):
+    from depthmix.pretrain.callbacks import ConsoleLogger, ProgressBar
+
+    trainer = _fake_trainer(True)
+    bar, console = ProgressBar(force=True), ConsoleLogger()
+    bar.pre_train(trainer)
+    assert trainer.progress_bar is bar.bar
+    for _ in range(2):
+        _step(trainer, [console, bar])
+    assert bar.bar.n == 2
+    bar.close(trainer)
+    out = capsys.readouterr()
+    assert "step      2/10" in out.out and "step" in out.err  # line above, bar on stderr
+
+
+def test_preemption_flag_and_submitit_handover(megatron_single, monkeypatch):
+    """In-process, one rank: a signal only sets the flag; the step's all-reduce turns it into
+    a stop; under submitit its own handler runs at close (after the save), not before."""
+    import os
+    import signal
+    import types
+
+    from depthmix.pretrain.callbacks import PreemptionCallback
+
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    handed_over = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    signal.signal(signal.SIGUSR2, lambda signum, frame: handed_over.append(signum))
+    stops = []
+    trainer = types.SimpleNamespace(step=7, request_stop=stops.append,
+                                    topo=types.SimpleNamespace(is_logging_rank=True))
+    cb = PreemptionCallback()
+    try:
+        cb.setup(trainer)
+        cb.post_step(trainer, None)
+        assert stops == []  # no signal yet
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert handed_over == []  # submitit's handler did not run in the signal handler
+        cb.post_step(trainer, None)
+        assert stops == ["preempted (SIGUSR2)"]
+        cb.post_train(trainer)
+        assert handed_over == []
+        cb.close(trainer)
+        assert handed_over == [signal.SIGUSR2]
+        assert signal.getsignal(signal.SIGTERM) == previous[signal.SIGTERM]  # restored
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
