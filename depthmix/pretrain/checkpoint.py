@@ -69,7 +69,9 @@ def read_meta(path: str) -> dict:
 def latest_checkpoint(root: Optional[str]) -> Optional[str]:
     """The complete checkpoint ``root``'s tracker names, or None.
 
-    ``root`` may also be one checkpoint directory (``.../iter_0000500``) itself.
+    ``root`` may also be one checkpoint directory (``.../iter_0000500``) itself. If the
+    tracker names a directory that is gone (a crash while replacing a re-saved step), the
+    newest complete checkpoint is used, with a warning.
     """
     if not root or not os.path.isdir(root):
         return None
@@ -85,7 +87,13 @@ def latest_checkpoint(root: Optional[str]) -> Optional[str]:
     except ValueError:
         raise RuntimeError(f"{tracker} is corrupt (holds {text!r}, not a step number)")
     if not is_complete(path):
-        raise RuntimeError(f"{tracker} names step {text} but {path} is missing or incomplete")
+        complete = list_checkpoints(root)
+        if not complete:
+            raise RuntimeError(f"{tracker} names step {text} but {path} is missing or "
+                               "incomplete, and there is no other complete checkpoint")
+        log.warning("%s names step %s but %s is missing or incomplete; using %s", tracker,
+                    text, path, complete[-1][1])
+        path = complete[-1][1]
     return path
 
 
@@ -325,8 +333,8 @@ def load(trainer, path: str, load_optimizer: bool = True) -> dict:
     state = sharded_state_dict(trainer, is_loading=True, optimizer=load_optimizer,
                                rng=same_layout and load_optimizer, optim_format=optim_format)
     with torch.no_grad():
-        loaded = dist_checkpointing.load(state, path,
-                                         sharded_strategy=_load_strategy(path, t.ckpt_fully_parallel))
+        strategy = _load_strategy(path, t.ckpt_fully_parallel)
+        loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
         for i, chunk in enumerate(trainer.model):
             chunk.module.load_state_dict(loaded[_model_key(i, len(trainer.model))], strict=True)
         if load_optimizer:

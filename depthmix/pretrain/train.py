@@ -61,11 +61,11 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def _nonzero_rank_overrides() -> list:
-    """Ranks other than 0 write no ``.hydra`` directory (Hydra's own log setup is
-    trimmed again in :func:`launch_env.quiet_nonzero_rank_logging`)."""
+    """Ranks other than 0 write no ``.hydra`` directory and no log file; their console
+    shows warnings and errors only (:func:`launch_env.quiet_nonzero_rank_logging`)."""
     if launch_env.launcher_rank() == 0:
         return []
-    return ["hydra.output_subdir=null", "hydra/hydra_logging=none"]
+    return ["hydra.output_subdir=null", "hydra/hydra_logging=none", "hydra/job_logging=stdout"]
 
 
 def main() -> None:

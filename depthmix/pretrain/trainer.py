@@ -74,7 +74,8 @@ class Trainer:
         box = [self.run.output_dir]
         dist.broadcast_object_list(box, src=0)
         if box[0] != self.run.output_dir:
-            log.warning("output_dir %s differs from rank 0's; using %s", self.run.output_dir, box[0])
+            log.warning("output_dir %s differs from rank 0's; using %s",
+                        self.run.output_dir, box[0])
             self.run.output_dir = box[0]
 
     def request_stop(self, reason: str) -> None:

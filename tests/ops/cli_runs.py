@@ -48,7 +48,8 @@ class Proc:
                 self._reader.join(5)
                 if predicate(self):
                     return
-                raise AssertionError(f"exited ({self.p.returncode}) before {what}:\n{self.text[-4000:]}")
+                raise AssertionError(
+                    f"exited ({self.p.returncode}) before {what}:\n{self.text[-4000:]}")
             time.sleep(0.2)
         self.kill()
         raise AssertionError(f"timed out waiting for {what}:\n{self.text[-4000:]}")

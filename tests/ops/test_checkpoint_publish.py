@@ -102,6 +102,10 @@ def test_bad_trackers_and_load_dirs(tmp_path, trainer_factory):
     (root / ckpt.TRACKER).write_text("7")
     with pytest.raises(RuntimeError, match="missing or incomplete"):
         ckpt.latest_checkpoint(str(root))
+    done = root / "iter_0000005"  # a complete older one: used instead, with a warning
+    done.mkdir()
+    (done / ckpt.META).write_text("{}")
+    assert ckpt.latest_checkpoint(str(root)) == str(done)
     assert ckpt.latest_checkpoint(str(tmp_path / "nothing-here")) is None
 
     run_dir = tmp_path / "empty"
@@ -110,6 +114,21 @@ def test_bad_trackers_and_load_dirs(tmp_path, trainer_factory):
     t.run.train.load_dir = str(run_dir)
     with pytest.raises(ConfigError, match="train.load_dir=.* holds no checkpoint"):
         CheckpointCallback().setup(t)
+
+
+def test_own_checkpoints_win_over_load_dir(trainer_factory, tmp_path):
+    """A job started from train.load_dir that was requeued after saving continues from its
+    own checkpoint, not from load_dir again."""
+    t = trainer_factory()
+    t.train_one_step()
+    ckpt.save(t, str(tmp_path / "pretrained"))
+    for _ in range(2):
+        t.train_one_step()
+    ckpt.save(t, t.run.train.save_dir)  # this run's own progress, step 3
+    t.run.train.load_dir = str(tmp_path / "pretrained")
+    cb = CheckpointCallback()
+    cb.setup(t)
+    assert t.resumed_from == ckpt.step_dir(t.run.train.save_dir, 3) and t.step == 3
 
 
 def test_dp_reshardable_optimizer_state_cannot_change_tp(trainer_factory, tmp_path):

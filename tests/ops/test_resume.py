@@ -5,10 +5,13 @@ starts from A's step-3 checkpoint in a fresh Trainer and trains to 6. Compared e
 (``==``), per rank: B's losses, grad norms, learning rates, loss scales and data position
 at steps 4-6 with A's, and one draw from every random generator after each step (Python,
 NumPy, torch, Megatron's model-parallel tracker: if any were not restored, B would draw
-A's step-1 values). Also at one rank in fp16 with dynamic loss scaling. At one rank, A also equals a run without any checkpointing (saving
-does not perturb training), and a run stopped by ``train.exit_after_steps=3`` saves the
-step it stopped at. Checkpoints saved at TP=2 and PP=2 are then loaded at TP=1/PP=1
-(resharding): the next losses match the original layout's within 1e-5 (relative).
+A's step-1 values). Also at one rank in fp16 with dynamic loss scaling. At one rank, A
+also equals a run without any checkpointing (saving does not perturb training), and a run
+stopped by ``train.exit_after_steps=3`` saves the step it stopped at.
+
+Resharding: checkpoints saved at TP=2 and PP=2 load at one rank, distributed-optimizer
+state moves DP=2 -> DP=1 (dp_reshardable) and DP=2 -> TP=2 (fully_reshardable); the next
+losses match the original layout's within 1e-5 (relative).
 """
 
 import os

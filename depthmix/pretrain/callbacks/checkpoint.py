@@ -20,13 +20,16 @@ def save_dir(run) -> str:
 class CheckpointCallback(Callback):
     """Owns ``trainer.save_dir`` and ``trainer.resumed_from``.
 
-    Resume rule: ``train.load_dir`` if given (it must hold a checkpoint), else the save
-    directory's latest checkpoint if there is one (a requeued job continues), else fresh.
+    Resume rule: the save directory's latest checkpoint if there is one (this run's own
+    progress: a requeued or re-run job continues, loading everything), else
+    ``train.load_dir`` if given (it must hold a checkpoint; ``train.load_optimizer=false``
+    takes only its weights), else a fresh start.
 
-    Put it **last** in the callback list: its ``post_step`` then saves the state after the
-    other callbacks acted on the step, so a resumed run replays exactly what follows.
-    (Its ``setup`` restores the step, data position and RNG before the data is built;
-    other callbacks' ``setup`` must not depend on the restored state.)
+    Put it **last** in the callback list (before :class:`PreemptionCallback`): its
+    ``post_step`` then saves the state after the other callbacks acted on the step, so a
+    resumed run replays exactly what follows. (Its ``setup`` restores the step, data
+    position and RNG before the data is built; other callbacks' ``setup`` must not depend
+    on the restored state.)
     """
 
     def __init__(self):
@@ -36,22 +39,21 @@ class CheckpointCallback(Callback):
         t = trainer.run.train
         trainer.save_dir = save_dir(trainer.run)
         trainer.resumed_from = None
-        if t.load_dir:
-            path = ckpt.latest_checkpoint(t.load_dir)
+        path, load_optimizer = ckpt.latest_checkpoint(trainer.save_dir), True
+        if path is None and t.load_dir:
+            path, load_optimizer = ckpt.latest_checkpoint(t.load_dir), t.load_optimizer
             if path is None:
                 raise ConfigError(f"train.load_dir={t.load_dir} holds no checkpoint "
                                   f"(no {ckpt.TRACKER} and no {ckpt.META})")
-        else:
-            path = ckpt.latest_checkpoint(trainer.save_dir)
         if path is None:
             return
-        meta = ckpt.load(trainer, path, load_optimizer=t.load_optimizer)
+        meta = ckpt.load(trainer, path, load_optimizer=load_optimizer)
         trainer.resumed_from = path
-        if t.load_optimizer:
+        if load_optimizer:
             self.last_saved_step = trainer.step
         if trainer.topo.is_logging_rank:
             print(f"resumed from {path} at step {meta['step']}"
-                  + ("" if t.load_optimizer else " (weights only)"), flush=True)
+                  + ("" if load_optimizer else " (weights only)"), flush=True)
 
     def save(self, trainer) -> None:
         if self.last_saved_step == trainer.step:

@@ -3,14 +3,16 @@
 The signal handler only sets a flag. After every step all ranks all-reduce it (MAX), so
 they stop at the same step even when the signal reached them at different times (or only
 some of them). The trainer then ends the loop, :class:`CheckpointCallback` saves in its
-``post_train`` (put this callback after it) and ``depthmix-train`` returns normally: **exit status 0 with a complete
-checkpoint of the last finished step**. The SLURM script requeues the job when it was the
-one that forwarded the signal (see ``launch/slurm/train.sbatch``); a requeued or re-run job
-with the same output directory resumes from that checkpoint.
+``post_train`` (put this callback after it) and ``depthmix-train`` returns normally:
+**exit status 0 with a complete checkpoint of the last finished step**. The SLURM script
+requeues the job when it was the one that forwarded the signal (see
+``launch/slurm/train.sbatch``); a requeued or re-run job with the same output directory
+resumes from that checkpoint.
 
 Under submitit (Hydra's SLURM launcher) the job's signal (``SIGUSR2`` by default) is
-taken over the same way and submitit's own handler (checkpoint the submission, requeue,
-exit) runs after our checkpoint is saved.
+taken over the same way, and submitit's own handler (checkpoint the submission, requeue,
+exit) runs in :meth:`PreemptionCallback.close`, after our checkpoint is saved and the
+loggers are closed.
 """
 
 from __future__ import annotations
