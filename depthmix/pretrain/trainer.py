@@ -132,8 +132,8 @@ class Trainer:
             steps_this_run += 1
             for cb in self.callbacks:
                 cb.post_step(self, result)
-            if t.eval_interval and self.step % t.eval_interval == 0:
-                self._run_eval()
+            if t.eval_interval and self.step % t.eval_interval == 0 and self.stop_reason is None:
+                self._run_eval()  # not while being preempted: save first
         if t.eval_interval and self.step % t.eval_interval and self.step >= t.steps:
             self._run_eval()
         for cb in self.callbacks:

@@ -141,3 +141,31 @@ def test_dp_reshardable_optimizer_state_cannot_change_tp(trainer_factory, tmp_pa
     (fake / ckpt.META).write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="ckpt_optim_format=fully_reshardable"):
         ckpt.load(t, str(fake))
+
+
+def test_resume_with_the_real_data_pipeline_is_exact(megatron_single, tmp_path):
+    """build_data(..., consumed_train_samples) from the checkpoint continues the sample
+    order exactly (embedded corpus, GPTDataset)."""
+    from ops_harness import Recorder
+
+    def run_config(**train):
+        run = make_run()
+        run.model.vocab_size = 512
+        run.data.cache_dir = str(tmp_path / "cache")
+        run.data.embedded_documents, run.data.embedded_vocab_size = 300, 512
+        run.output_dir = str(tmp_path)
+        for key, value in train.items():
+            setattr(run.train, key, value)
+        return run
+
+    straight = Recorder()
+    root = str(tmp_path / "real")
+    Trainer(run_config(save_dir=root, save_interval=2, keep_last=0, steps=4),
+            callbacks=[straight, CheckpointCallback()]).train()
+    resumed = Recorder()
+    t = Trainer(run_config(load_dir=ckpt.step_dir(root, 2), save_dir=root + "_b", steps=4),
+                callbacks=[resumed, CheckpointCallback()])
+    assert t.step == 2 and t.consumed_samples == 16
+    t.train()
+    assert [s["loss"] for s in resumed.steps] == [s["loss"] for s in straight.steps[2:]]
+    assert len({s["loss"] for s in straight.steps}) == 4
