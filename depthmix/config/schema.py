@@ -58,6 +58,9 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     recompute: str = "none"
     """``none`` or ``full`` (every layer re-runs in backward, depth mixing included)."""
+    world_size: Optional[int] = None
+    """Expected number of processes. When set, a launch with another world size is refused;
+    ``train.dry_run`` plans for it (else ``$WORLD_SIZE``, else 1)."""
     use_cpu_initialization: bool = True
     """Initialise full weights on the CPU with one seed per layer, then shard: the same
     seed gives the same model at every TP/PP layout (slower start-up at 3B scale)."""
@@ -104,14 +107,32 @@ class TrainConfig:
     eval_interval: int = 100
     eval_iters: int = 4
     save_interval: int = 0
+    """Save a checkpoint every N steps (0 = only at the end of training and on preemption)."""
     save_dir: Optional[str] = None
+    """Where checkpoints go; default ``<output_dir>/checkpoints``."""
     load_dir: Optional[str] = None
+    """Resume from this directory (its latest checkpoint) or one ``iter_*`` checkpoint;
+    default: ``save_dir`` when it holds a checkpoint, else start fresh."""
     keep_last: int = 2
+    """Keep the newest N checkpoints (0 = keep all)."""
+    load_optimizer: bool = True
+    """False: load weights only and start a new run (fresh optimizer, schedule, data, step)."""
+    ckpt_optim_format: str = "dp_reshardable"
+    """Distributed-optimizer state layout in checkpoints: ``dp_reshardable`` (fast, fully
+    parallel; reloads at the same TP/PP/VP, any DP) or ``fully_reshardable`` (gathered on
+    DP rank 0 when saving; reloads into any layout)."""
+    ckpt_fully_parallel: bool = True
+    """Spread saving/loading of replicated tensors over the data-parallel ranks."""
+    save_on_preemption: bool = True
+    """On SIGTERM/SIGUSR1 (and submitit's signal): finish the step, save, exit 0."""
     exit_after_steps: Optional[int] = None
     """Stop after this many steps of this invocation (resume tests, time-boxed jobs)."""
     dry_run: bool = False
+    """Print the resolved config, parallel layout and per-rank memory estimate, then exit
+    (no model, no process group). World size: ``parallel.world_size`` or ``$WORLD_SIZE``."""
     peak_tflops: Optional[float] = None
-    """Per-device peak for MFU; None = look the device up in a table."""
+    """Per-device peak dense TFLOP/s for MFU; None = look the device up in a table
+    (``depthmix.pretrain.accounting.PEAK_TFLOPS``); no MFU when unknown (e.g. CPU)."""
 
 
 @dataclass
@@ -125,7 +146,11 @@ class LoggerConfig:
     dir: Optional[str] = None
     tags: list[str] = field(default_factory=list)
     depth_stats_interval: int = 0
-    """Log per-layer depth-mixing weights every N steps (0 = never)."""
+    """Log per-layer depth-mixing weights every N steps (0 = never): one extra no-grad
+    forward over the first validation micro-batch(es), heatmaps + scalars to W&B and PNGs
+    under ``<output_dir>/depth_stats``."""
+    progress: bool = True
+    """A progress bar on the logging rank when stderr is a terminal (never in batch logs)."""
 
 
 @dataclass

@@ -3,22 +3,51 @@
     depthmix-train model=tiny mixer=depth_attn
     torchrun --nproc-per-node 8 -m depthmix.pretrain.train model=3b mixer=moda parallel=tp2_pp4
     depthmix-train -m mixer=depth_attn mixer.stride=6,12,24
+    depthmix-train model=3b parallel=tp2_pp4 train.dry_run=true parallel.world_size=64
+
+Exit status: 0 when training finished *or* was stopped by a preemption signal after
+saving a checkpoint (re-run the same command / requeue to resume); 2 for a configuration
+error; 1 for anything else.
 """
 
 from __future__ import annotations
+
+import logging
+import os
+import sys
 
 import hydra
 from omegaconf import DictConfig
 
 from depthmix.config.load import resolve
+from depthmix.config.schema import ConfigError
 from depthmix.config.store import register_configs
+from depthmix.pretrain import launch_env
 from depthmix.pretrain.trainer import Trainer, default_callbacks
+
+log = logging.getLogger("depthmix")
+
+launch_env.register_resolvers()  # at import: submitit's jobs unpickle this module
 
 
 @hydra.main(config_path="../configs", config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
-    run = resolve(cfg)
-    trainer = Trainer(run, callbacks=default_callbacks(run))
+    try:
+        run = resolve(cfg)
+    except ConfigError as e:
+        print(f"configuration error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if run.train.dry_run:
+        from depthmix.pretrain import dry_run
+
+        sys.exit(dry_run.main(run))
+    launch_env.ensure_distributed_env()  # srun/submitit tasks without torchrun
+    launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
+    try:
+        trainer = Trainer(run, callbacks=default_callbacks(run))
+    except ConfigError as e:
+        print(f"configuration error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     try:
         trainer.train()
     except BaseException as exc:
@@ -26,10 +55,23 @@ def hydra_main(cfg: DictConfig) -> None:
         raise
     finally:
         trainer.close()
+    if trainer.stop_reason:
+        log.info("stopped at step %d: %s (exit 0; resume by re-running)", trainer.step,
+                 trainer.stop_reason)
+
+
+def _nonzero_rank_overrides() -> list:
+    """Ranks other than 0 write no ``.hydra`` directory and no log file; their console
+    shows warnings and errors only (:func:`launch_env.quiet_nonzero_rank_logging`)."""
+    if launch_env.launcher_rank() == 0:
+        return []
+    return ["hydra.output_subdir=null", "hydra/hydra_logging=none", "hydra/job_logging=stdout"]
 
 
 def main() -> None:
     register_configs()
+    os.environ.setdefault("DEPTHMIX_RUN_KEY", launch_env.run_key())  # one key for all ranks
+    sys.argv.extend(_nonzero_rank_overrides())
     hydra_main()
 
 

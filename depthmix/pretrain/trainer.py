@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from typing import List, Optional
 
+import numpy as np
 from megatron.core.distributed import finalize_model_grads
 
 from depthmix.config.megatron import to_transformer_config
@@ -24,10 +26,21 @@ class Trainer:
     """Owns the model chunks, optimizer, schedule, data and callbacks of one run."""
 
     def __init__(self, run: RunConfig, data=None, callbacks: Optional[List[Callback]] = None):
+        """``data``: None (``depthmix.data.build_data``), a data object (``train_iterator``,
+        ``valid_iterator()``), or a builder with ``build_data``'s signature
+        ``(run, dp_rank, dp_size, consumed_train_samples)``, called after callbacks have
+        restored a checkpoint's data position."""
+        from depthmix.pretrain.launch_env import validate_launch
+
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         validate(run, world_size)  # before any process group or model exists
+        validate_launch(run, world_size)
         self.run = run
         self.topo = init_distributed(run)
+        self._agree_on_output_dir()
+        # Python/NumPy generators as Megatron-LM seeds them (torch's: init_distributed)
+        random.seed(run.train.seed + 100 * self.topo.pp_rank)
+        np.random.seed(run.train.seed + 100 * self.topo.pp_rank)
         self.config = to_transformer_config(run)
         self.model = build_model(run, self.config, self.topo)
         self.optimizer, self.scheduler = build_optimizer(run, self.config, self.model)
@@ -43,9 +56,32 @@ class Trainer:
         if data is None:
             from depthmix.data import build_data
 
-            data = build_data(run, self.topo.dp_rank, self.topo.dp, self.consumed_samples)
+            data = build_data
+        if not hasattr(data, "train_iterator"):
+            data = data(run, self.topo.dp_rank, self.topo.dp, self.consumed_samples)
         self.data = data
         self.last: Optional[StepResult] = None
+        self.stop_reason: Optional[str] = None
+        """Set by :meth:`request_stop` (e.g. preemption); the loop ends after this step."""
+
+    def _agree_on_output_dir(self) -> None:
+        """Every rank uses rank 0's output directory (launchers may start ranks at different
+        times, and a timestamped directory would then differ)."""
+        import torch.distributed as dist
+
+        if self.topo.world_size == 1:
+            return
+        box = [self.run.output_dir]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] != self.run.output_dir:
+            log.warning("output_dir %s differs from rank 0's; using %s",
+                        self.run.output_dir, box[0])
+            self.run.output_dir = box[0]
+
+    def request_stop(self, reason: str) -> None:
+        """End training after the current step (collective decisions only: every rank must
+        call it at the same step)."""
+        self.stop_reason = reason
 
     def _wire_megatron_hooks(self) -> None:
         config = self.config
@@ -82,7 +118,7 @@ class Trainer:
 
     def should_stop(self, steps_this_run: int) -> bool:
         t = self.run.train
-        if self.step >= t.steps:
+        if self.stop_reason is not None or self.step >= t.steps:
             return True
         return t.exit_after_steps is not None and steps_this_run >= t.exit_after_steps
 
@@ -96,8 +132,8 @@ class Trainer:
             steps_this_run += 1
             for cb in self.callbacks:
                 cb.post_step(self, result)
-            if t.eval_interval and self.step % t.eval_interval == 0:
-                self._run_eval()
+            if t.eval_interval and self.step % t.eval_interval == 0 and self.stop_reason is None:
+                self._run_eval()  # not while being preempted: save first
         if t.eval_interval and self.step % t.eval_interval and self.step >= t.steps:
             self._run_eval()
         for cb in self.callbacks:
@@ -118,5 +154,24 @@ class Trainer:
 
 
 def default_callbacks(run: RunConfig) -> List[Callback]:
-    """Console logging on the loss rank (W&B and checkpoints join in their own modules)."""
-    return [ConsoleLogger()]
+    """Console log line, progress bar, W&B, checkpoints, preemption. Checkpoints come after
+    the loggers: their ``post_step`` saves the state *after* the others acted on the step
+    (anything they draw from an RNG is in the checkpoint). Preemption comes last: its
+    ``close`` hands over to submitit after everything else is saved and closed. Logging
+    callbacks act on the loss rank only."""
+    from depthmix.pretrain.callbacks import (
+        CheckpointCallback,
+        PreemptionCallback,
+        ProgressBar,
+        WandbLogger,
+    )
+
+    callbacks: List[Callback] = [ConsoleLogger()]
+    if run.logger.progress:
+        callbacks.append(ProgressBar())
+    if run.logger.wandb and run.logger.mode != "disabled" or run.logger.depth_stats_interval:
+        callbacks.append(WandbLogger())
+    callbacks.append(CheckpointCallback())
+    if run.train.save_on_preemption:
+        callbacks.append(PreemptionCallback())
+    return callbacks

@@ -44,6 +44,15 @@ class Mixer:
     """``(DepthMixConfig) -> DepthMixModelSubmodules``."""
     plan: Callable
     """``(DepthMixConfig, tp_size) -> list[Entry]``: the depth state over unrolled layers."""
+    extra_flops_per_token: Callable = lambda config: 0.0
+    """``(DepthMixConfig) -> float``: *forward* FLOPs per token the method adds to the
+    vanilla decoder, summed over the whole model (all unrolled layers, ShortSWA included);
+    2 FLOPs per multiply-add. Training accounting counts 3x (forward + backward); see
+    ``depthmix.pretrain.accounting``. Used for the logged TFLOP/s and MFU."""
+    extra_params_per_layer: Callable = lambda config: 0
+    """``(DepthMixConfig) -> int``: parameters the method adds per layer (full, unsharded;
+    the dry run's memory estimate counts them on the layer's pipeline rank, replicated
+    over TP)."""
 
 
 def residual_stream_entry(config) -> Entry:

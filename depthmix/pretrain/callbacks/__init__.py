@@ -1,6 +1,11 @@
-"""Lifecycle callbacks (OLMo-core style): console logging, W&B, checkpoints, ..."""
+"""Lifecycle callbacks (OLMo-core style): checkpoints, preemption, console, progress, W&B."""
 
 from depthmix.pretrain.callbacks.base import Callback
+from depthmix.pretrain.callbacks.checkpoint import CheckpointCallback
 from depthmix.pretrain.callbacks.console import ConsoleLogger
+from depthmix.pretrain.callbacks.preemption import PreemptionCallback
+from depthmix.pretrain.callbacks.progress import ProgressBar
+from depthmix.pretrain.callbacks.wandb import WandbLogger
 
-__all__ = ["Callback", "ConsoleLogger"]
+__all__ = ["Callback", "CheckpointCallback", "ConsoleLogger", "PreemptionCallback",
+           "ProgressBar", "WandbLogger"]

@@ -8,31 +8,49 @@ from depthmix.pretrain.callbacks.base import Callback
 
 
 class ConsoleLogger(Callback):
+    """``step | loss | lr | grad norm | loss scale | tokens/s | TFLOP/s per device | MFU |
+    memory | s/step``. Throughput is averaged over the steps since the last line."""
+
     def __init__(self, printer=print):
         self.printer = printer
         self._seconds = 0.0
         self._steps = 0
 
     def _emit(self, trainer, text: str) -> None:
-        if trainer.topo.is_logging_rank:
-            self.printer(text, flush=True) if self.printer is print else self.printer(text)
+        if not trainer.topo.is_logging_rank:
+            return
+        bar = getattr(trainer, "progress_bar", None)
+        if bar is not None and self.printer is print:
+            bar.write(text)  # above the progress bar instead of through it
+        elif self.printer is print:
+            print(text, flush=True)
+        else:
+            self.printer(text)
 
     def post_step(self, trainer, result) -> None:
+        from depthmix.pretrain.accounting import memory_stats, throughput
+
         self._seconds += getattr(result, "seconds", 0.0)
         self._steps += 1
         t = trainer.run.train
         if trainer.step % t.log_interval and trainer.step not in (1, t.steps):
             return
-        per_step = self._seconds / max(self._steps, 1)
-        tokens_per_s = trainer.tokens_per_step / per_step if per_step else 0.0
+        perf = throughput(trainer, self._seconds / max(self._steps, 1))
+        self._seconds, self._steps = 0.0, 0
+        if not trainer.topo.is_logging_rank:
+            return
         grad = f"{result.grad_norm:.3f}" if result.grad_norm is not None else "-"
+        mfu = f" | MFU {100 * perf.mfu:.1f}%" if perf.mfu is not None else ""
+        mem = memory_stats()
+        mem_text = (f" | mem {mem['mem/peak_alloc_gib']:.1f} GiB" if "mem/peak_alloc_gib" in mem
+                    else f" | rss {mem['mem/rss_gib']:.2f} GiB" if "mem/rss_gib" in mem else "")
         self._emit(
             trainer,
             f"step {trainer.step:>6}/{t.steps} | loss {result.loss:.4f} | lr {result.lr:.3e} "
-            f"| grad {grad} | scale {result.loss_scale:g} | {tokens_per_s:,.0f} tok/s "
-            f"| {per_step:.3f} s/step" + (" | skipped" if result.skipped else ""),
+            f"| grad {grad} | scale {result.loss_scale:g} | {perf.tokens_per_s:,.0f} tok/s "
+            f"| {perf.tflops_per_device:.2f} TFLOP/s{mfu}{mem_text} "
+            f"| {perf.seconds_per_step:.3f} s/step" + (" | skipped" if result.skipped else ""),
         )
-        self._seconds, self._steps = 0.0, 0
 
     def post_eval(self, trainer, result) -> None:
         ppl = math.exp(min(result.loss, 50))

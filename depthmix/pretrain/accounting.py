@@ -1,0 +1,318 @@
+"""FLOPs, throughput/MFU and memory estimates.
+
+FLOPs per token (2 FLOPs per multiply-add; ``L`` = unrolled layers = ``num_layers *
+n_loops``, ``h`` hidden, ``f`` FFN, ``H``/``H_kv`` query/KV heads, ``d_h`` head dim,
+``s`` sequence length, ``V`` padded vocabulary)::
+
+    forward  = 2 * L * [ h*(H + 2*H_kv)*d_h      QKV projection
+                       + H*d_h*h                 output projection
+                       + 3*h*f ]                 SwiGLU MLP (gate, up, down)
+             + 4 * L * s * H * d_h               attention scores QK^T and A.V
+             + 2 * h * V                         LM head
+             + mixer.extra_flops_per_token       the method's own work (its hook)
+    training = 3 * forward                       (backward = 2 x forward)
+
+The attention term counts every (query, key) pair of the sequence, not only the causal
+half: the convention of PaLM's MFU (``6N + 12*L*H*d_h*s``), Megatron-LM and torchtitan, so
+our TFLOP/s and MFU compare with theirs. The embedding lookup and norms are not counted;
+neither is activation recomputation (this is model FLOPs utilisation, not hardware).
+
+MFU = (training FLOPs per token x tokens/s) / (world size x peak FLOP/s of one device),
+with the peak from :data:`PEAK_TFLOPS` (dense, no sparsity) or ``train.peak_tflops``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from depthmix.config.schema import RunConfig
+
+# Dense tensor-core peak TFLOP/s per device, from the vendors' data sheets.
+PEAK_TFLOPS = {
+    # name fragment: {precision: TFLOP/s}
+    "H200": {"bf16": 989.4, "fp16": 989.4, "fp32": 67.0},
+    "GH200": {"bf16": 989.4, "fp16": 989.4, "fp32": 67.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "fp32": 67.0},  # SXM
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+}
+
+
+def device_peak_tflops(run: RunConfig, device_name: Optional[str] = None) -> Optional[float]:
+    """``train.peak_tflops``, else the table entry for this device and precision, else None."""
+    if run.train.peak_tflops:
+        return float(run.train.peak_tflops)
+    if device_name is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    for fragment, peaks in PEAK_TFLOPS.items():  # most specific names first
+        if fragment.lower() in device_name.lower():
+            return peaks.get(run.train.precision)
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Shape:
+    """The numbers the formulas need, from the run config."""
+
+    layers: int  # unrolled
+    stored_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    seq: int
+    vocab: int  # padded
+    qk_norm: bool
+
+    @classmethod
+    def of(cls, run: RunConfig) -> "Shape":
+        from depthmix.config.megatron import padded_vocab_size
+
+        m = run.model
+        return cls(
+            layers=m.num_layers * m.n_loops, stored_layers=m.num_layers,
+            hidden=m.hidden_size, ffn=m.ffn_hidden_size,
+            heads=m.num_attention_heads, kv_heads=m.num_query_groups,
+            head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
+            seq=m.seq_length,
+            vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
+            qk_norm=m.qk_layernorm,
+        )
+
+
+def _mixer(run: RunConfig):
+    from depthmix.megatron_ext.mixers import get_mixer
+
+    return get_mixer(run.mixer.name if run.mixer is not None else "vanilla")
+
+
+def _megatron_config(run: RunConfig):
+    from depthmix.config.megatron import to_transformer_config
+
+    return to_transformer_config(run)
+
+
+def flops_per_token(run: RunConfig, config=None) -> Dict[str, float]:
+    """Forward FLOPs per token by part, and ``train`` = 3 x their sum (see module doc)."""
+    x = Shape.of(run)
+    h, dh = x.hidden, x.head_dim
+    linear = 2 * x.layers * (h * (x.heads + 2 * x.kv_heads) * dh + x.heads * dh * h
+                             + 3 * h * x.ffn)
+    attention = 4 * x.layers * x.seq * x.heads * dh
+    head = 2 * h * x.vocab
+    hook = _mixer(run).extra_flops_per_token
+    mixer = float(hook(config if config is not None else _megatron_config(run)))
+    forward = linear + attention + head + mixer
+    return {"linear": float(linear), "attention": float(attention), "head": float(head),
+            "mixer": mixer, "forward": float(forward), "train": 3.0 * forward}
+
+
+@dataclass
+class Throughput:
+    """Per-interval performance numbers for the log line and W&B."""
+
+    seconds_per_step: float
+    tokens_per_s: float
+    tflops_per_device: float
+    mfu: Optional[float]
+
+    def as_dict(self) -> dict:
+        out = {"perf/step_time_s": self.seconds_per_step, "perf/tokens_per_s": self.tokens_per_s,
+               "perf/tflops_per_device": self.tflops_per_device}
+        if self.mfu is not None:
+            out["perf/mfu"] = self.mfu
+        return out
+
+
+def throughput(trainer, seconds_per_step: float) -> Throughput:
+    """From the wall time of one step (all ranks together)."""
+    if not hasattr(trainer, "_train_flops_per_token"):
+        trainer._train_flops_per_token = flops_per_token(trainer.run, trainer.config)["train"]
+        trainer._peak_tflops = device_peak_tflops(trainer.run)
+    tokens_per_s = trainer.tokens_per_step / seconds_per_step if seconds_per_step else 0.0
+    tflops = trainer._train_flops_per_token * tokens_per_s / trainer.topo.world_size / 1e12
+    mfu = tflops / trainer._peak_tflops if trainer._peak_tflops else None
+    return Throughput(seconds_per_step, tokens_per_s, tflops, mfu)
+
+
+def memory_stats() -> Dict[str, float]:
+    """GiB: peak allocated on the GPU (``mem/peak_alloc_gib``), or the process RSS on CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {"mem/peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "mem/reserved_gib": torch.cuda.memory_reserved() / 2**30}
+    try:
+        import psutil
+
+        return {"mem/rss_gib": psutil.Process().memory_info().rss / 2**30}
+    except Exception:
+        return {}
+
+
+# ---------------------------------------------------------------------------------------
+# Parameters and memory (the dry run)
+# ---------------------------------------------------------------------------------------
+
+
+def layer_params(x: Shape, tp: int) -> Dict[str, int]:
+    """One decoder layer's parameters on one TP rank: ``sharded`` (split over TP) and
+    ``replicated`` (norms)."""
+    h, dh = x.hidden, x.head_dim
+    sharded = h * (x.heads + 2 * x.kv_heads) * dh + x.heads * dh * h + 3 * h * x.ffn
+    replicated = 2 * h + (2 * dh if x.qk_norm else 0)
+    return {"sharded": sharded // tp, "replicated": replicated}
+
+
+@dataclass
+class RankEstimate:
+    pp_rank: int
+    global_ranks: str
+    chunks: List[dict]  # {"chunk", "layers": range, "embedding", "head"}
+    params: int
+    weight_bytes: float  # params + grads + optimizer state
+    activation_bytes: float
+    inflight_microbatches: int
+    payload_bytes: int  # depth state + hidden sent to the next stage, per micro-batch
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_bytes + self.activation_bytes
+
+
+def bytes_per_param(run: RunConfig, dp: int) -> float:
+    """Weights + fp32 main grads + Adam (and fp32 master weights with bf16/fp16); the
+    distributed optimizer shards the master weights and moments over DP."""
+    distopt = run.parallel.distributed_optimizer
+    if run.train.precision == "fp32":
+        weights, grads, state = 4, 4, 8
+    else:
+        weights, grads, state = 2, 4, 12
+    return weights + grads + (state / dp if distopt else state)
+
+
+def activation_elems_per_token(x: Shape, tp: int, sp: bool) -> Dict[str, float]:
+    """Elements one layer saves for backward per token on one TP rank (SDPA/flash core:
+    no s x s matrix). Hidden-side: the two norm inputs and outputs (4h, sharded only with
+    sequence parallelism); head-side: q, k, v after QK-norm/RoPE, q and k before it, the
+    attention output ((3H + 3H_kv) d_h); MLP: gate, up, silu(gate), their product (4f)."""
+    hidden = 4 * x.hidden / (tp if sp else 1)
+    heads = (3 * x.heads + 3 * x.kv_heads) * x.head_dim / tp
+    mlp = 4 * x.ffn / tp
+    return {"hidden": hidden, "layer": hidden + heads + mlp,
+            "layer_input": x.hidden / (tp if sp else 1)}
+
+
+def inflight_microbatches(pp: int, vp: int, pp_rank: int, num_micro: int) -> int:
+    """Chunk-micro-batches whose activations a rank holds at the 1F1B peak."""
+    if vp == 1:
+        return min(num_micro, pp - pp_rank)
+    warmup = (pp - pp_rank - 1) * 2 + (vp - 1) * pp
+    return min(num_micro * vp, warmup + 1)
+
+
+def estimate(run: RunConfig, world_size: int) -> List[RankEstimate]:
+    """Per pipeline rank (all TP/DP ranks of a stage are alike): parameters, bytes for
+    weights/grads/optimizer, activation bytes at the pipeline peak."""
+    from depthmix.config.validate import data_parallel_size
+    from depthmix.megatron_ext.layout import PipelineLayout
+
+    p, t = run.parallel, run.train
+    x = Shape.of(run)
+    tp, pp, vp = p.tp, p.pp, p.vp or 1
+    dp = data_parallel_size(run, world_size)
+    config = _megatron_config(run)
+    mixer = _mixer(run)
+    extra_per_layer = int(mixer.extra_params_per_layer(config))
+    layout = PipelineLayout(x.stored_layers, pp, vp)
+    per_layer = layer_params(x, tp)
+    act_bytes = 4 if t.precision == "fp32" else 2
+    act = activation_elems_per_token(x, tp, p.sequence_parallel)
+    tokens_per_micro = t.micro_batch_size * x.seq
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    geometry = _geometry(run, config, layout)
+    loops = x.layers // x.stored_layers
+
+    out = []
+    for r in range(pp):
+        chunks, params, payload = [], 0, 0
+        head_here = False
+        for v in range(vp):
+            c = layout.chunk(r, v)
+            first, last = c == 0, c == layout.num_chunks - 1
+            head_here |= last
+            layers = layout.layers(c)
+            n = len(layers)
+            params += n * (per_layer["sharded"] + per_layer["replicated"] + extra_per_layer)
+            if first:
+                params += x.vocab * x.hidden // tp
+            if last:
+                params += x.vocab * x.hidden // tp + x.hidden
+            elif geometry is not None:
+                payload = max(payload, geometry.payload_bytes(c + 1, t.micro_batch_size,
+                                                              act_bytes))
+            chunks.append({"chunk": c, "layers": layers, "embedding": first, "head": last})
+        inflight = inflight_microbatches(pp, vp, r, num_micro)
+        layers_per_chunk = layout.layers_per_chunk * loops
+        if p.recompute == "full":
+            per_token = inflight * layers_per_chunk * act["layer_input"] + act["layer"]
+        else:
+            per_token = inflight * layers_per_chunk * act["layer"]
+        activation = per_token * tokens_per_micro * act_bytes
+        if head_here:  # logits (activation dtype) + fp32 softmax of the loss, 1 micro-batch
+            activation += tokens_per_micro * x.vocab / tp * (act_bytes + 4)
+        lo, hi = r * tp * dp, (r + 1) * tp * dp - 1
+        out.append(RankEstimate(
+            pp_rank=r, global_ranks=f"{lo}-{hi}" if hi > lo else f"{lo}", chunks=chunks,
+            params=params, weight_bytes=params * bytes_per_param(run, dp),
+            activation_bytes=activation, inflight_microbatches=inflight, payload_bytes=payload,
+        ))
+    return out
+
+
+def _geometry(run: RunConfig, config, layout):
+    """The transport's geometry (what crosses each stage boundary), or None if unavailable."""
+    try:
+        from depthmix.megatron_ext.depth_state import DepthPlan
+        from depthmix.megatron_ext.transport import TransportGeometry
+
+        p = run.parallel
+        plan = DepthPlan(_mixer(run).plan(config, p.tp), config.unrolled_layers)
+        return TransportGeometry(plan=plan, layout=layout, seq_length=config.seq_length,
+                                 hidden_size=config.hidden_size, tp=p.tp,
+                                 sequence_parallel=p.sequence_parallel)
+    except Exception:  # an estimate must not fail on a mixer's plan
+        return None
+
+
+def total_params(run: RunConfig) -> int:
+    """All parameters of the model (unsharded, counted once)."""
+    x = Shape.of(run)
+    per_layer = layer_params(x, 1)
+    extra = int(_mixer(run).extra_params_per_layer(_megatron_config(run)))
+    return (x.stored_layers * (per_layer["sharded"] + per_layer["replicated"] + extra)
+            + 2 * x.vocab * x.hidden + x.hidden)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}" if math.isfinite(n) else str(n)

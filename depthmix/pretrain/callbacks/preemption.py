@@ -1,0 +1,108 @@
+"""SIGTERM / SIGUSR1 (and submitit's signal) -> finish the step, save, exit cleanly.
+
+The signal handler only sets a flag. After every step all ranks all-reduce it (MAX), so
+they stop at the same step even when the signal reached them at different times (or only
+some of them). The trainer then ends the loop, :class:`CheckpointCallback` saves in its
+``post_train`` (put this callback after it) and ``depthmix-train`` returns normally:
+**exit status 0 with a complete checkpoint of the last finished step**. The SLURM script
+requeues the job when it was the one that forwarded the signal (see
+``launch/slurm/train.sbatch``); a requeued or re-run job with the same output directory
+resumes from that checkpoint.
+
+Under submitit (Hydra's SLURM launcher) the job's signal (``SIGUSR2`` by default) is
+taken over the same way, and submitit's own handler (checkpoint the submission, requeue,
+exit) runs in :meth:`PreemptionCallback.close`, after our checkpoint is saved and the
+loggers are closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+from depthmix.pretrain.callbacks.base import Callback
+
+log = logging.getLogger("depthmix")
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _submitit_signal():
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    name = "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    return getattr(signal, name, None)
+
+
+class PreemptionCallback(Callback):
+    def __init__(self):
+        self.received = None  # signal number, set by the handler
+        self._previous = {}
+        self._deferred = None  # (handler, signum) to call after saving (submitit)
+        self._submitit_signal = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            # print, not log: logging from a signal handler can deadlock on its lock
+            os.write(2, f"[depthmix] received {signal.Signals(signum).name}: will save a "
+                        f"checkpoint after this step and exit\n".encode())
+
+    def setup(self, trainer) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not in the main thread: preemption signals are not handled")
+            return
+        signals = list(SIGNALS)
+        extra = _submitit_signal()
+        if extra is not None and extra not in signals:
+            signals.append(extra)
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+        self._submitit_signal = extra
+
+    def _agreed(self, trainer) -> int:
+        """The signal any rank received (0 = none); collective."""
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        flag = torch.tensor([int(self.received or 0)], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def post_step(self, trainer, result) -> None:
+        signum = self._agreed(trainer)
+        if signum:
+            name = signal.Signals(signum).name
+            trainer.request_stop(f"preempted ({name})")
+            if signum == self._submitit_signal:
+                previous = self._previous.get(signum)
+                if callable(previous):
+                    self._deferred = (previous, signum)
+            if trainer.topo.is_logging_rank:
+                print(f"preemption ({name}) at step {trainer.step}: saving a checkpoint and "
+                      "exiting with status 0", flush=True)
+
+    def post_train(self, trainer) -> None:
+        self._restore()
+
+    def close(self, trainer) -> None:
+        """Last of all (the checkpoint is saved, loggers closed): hand over to submitit if
+        its signal stopped us (it checkpoints the submission, requeues and exits)."""
+        self._restore()
+        if self._deferred is not None:
+            handler, signum = self._deferred
+            self._deferred = None
+            dist.barrier()
+            handler(signum, None)
+
+    def _restore(self) -> None:
+        for sig, previous in self._previous.items():
+            try:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            except (TypeError, ValueError):
+                pass
+        self._previous = {}

@@ -1,0 +1,191 @@
+"""Weights & Biases from the one rank that sees the loss; depth-weight heatmaps.
+
+* ``logger.mode``: ``offline`` (default: files under ``<logger.dir or output_dir>/wandb``,
+  upload later with ``wandb sync``), ``online``, or ``disabled``.
+* The run id lives in ``<save_dir>/wandb_run_id.txt``: a job resumed from that checkpoint
+  directory (requeue, re-run) continues the same W&B run (``resume="allow"``), its steps
+  continuing from the checkpoint's. Offline, each job writes its own
+  ``offline-run-<time>-<id>`` directory with that id; ``wandb sync`` merges them.
+* Logged: the full resolved config (plus layout, world size, FLOPs per token); every
+  ``train.log_interval`` steps ``train/{loss,lr,grad_norm,loss_scale,skipped,
+  consumed_samples,tokens}``, ``perf/{tokens_per_s,tflops_per_device,mfu,step_time_s}``,
+  ``mem/*``; after each evaluation ``val/{loss,ppl}``; every
+  ``logger.depth_stats_interval`` steps the depth statistics (:mod:`depthmix.pretrain.
+  depth_stats`) as heatmaps (``depth/<name>/heatmap``; a ``wandb.Image`` when Pillow is
+  installed, else an HTML panel with the PNG inline), a table and scalars. The PNGs are
+  also written to ``<output_dir>/depth_stats/<name>/step_<k>.png``.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import math
+import os
+import secrets
+import string
+
+from depthmix.pretrain.callbacks.base import Callback
+
+log = logging.getLogger("depthmix")
+
+RUN_ID_FILE = "wandb_run_id.txt"
+
+
+def _pil_available() -> bool:
+    try:
+        import PIL.Image  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
+
+
+def default_name(run) -> str:
+    """``<model>-<mixer>-<job>``: the job is the output directory's name, or its parent's
+    when that name is just ``<model>_<mixer>`` (e.g. ``3b-moda-slurm-4242``)."""
+    path = os.path.normpath(os.path.abspath(run.output_dir))
+    job = os.path.basename(path)
+    if job == f"{run.model.name}_{run.mixer.name}":
+        job = os.path.basename(os.path.dirname(path))
+    return f"{run.model.name}-{run.mixer.name}-{job}"
+
+
+class WandbLogger(Callback):
+    def __init__(self):
+        self.run = None  # the wandb Run, on the logging rank only
+        self._seconds = 0.0
+        self._steps = 0
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _enabled(self, trainer) -> bool:
+        lg = trainer.run.logger
+        return lg.wandb and lg.mode != "disabled" and trainer.topo.is_logging_rank
+
+    def _run_id(self, trainer) -> str:
+        path = os.path.join(trainer.save_dir, RUN_ID_FILE)
+        if os.path.isfile(path):
+            with open(path) as f:
+                run_id = f.read().strip()
+            if run_id:
+                return run_id
+        # W&B-style id; `secrets` leaves the seeded generators alone
+        run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        os.makedirs(trainer.save_dir, exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(run_id)
+        os.replace(tmp, path)
+        return run_id
+
+    def setup(self, trainer) -> None:
+        if not hasattr(trainer, "save_dir"):  # no CheckpointCallback: keep ids in output_dir
+            from depthmix.pretrain.callbacks.checkpoint import save_dir
+
+            trainer.save_dir = save_dir(trainer.run)
+        if not self._enabled(trainer):
+            return
+        import wandb
+
+        from depthmix.config.load import to_container
+        from depthmix.pretrain.accounting import flops_per_token
+
+        run, lg, topo = trainer.run, trainer.run.logger, trainer.topo
+        run_id = self._run_id(trainer)
+        trainer.wandb_run_id = run_id
+        config = to_container(run)
+        config["layout"] = {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp,
+                            "vp": topo.vp, "dp": topo.dp}
+        config["flops_per_token"] = flops_per_token(run, trainer.config)
+        config["resumed_from"] = getattr(trainer, "resumed_from", None)
+        directory = lg.dir or run.output_dir
+        os.makedirs(directory, exist_ok=True)
+        self.run = wandb.init(
+            project=lg.project, entity=lg.entity, name=lg.name or default_name(run),
+            dir=directory, mode=lg.mode, id=run_id, resume="allow", config=config,
+            tags=list(lg.tags) or None, settings=wandb.Settings(console="off"),
+        )
+        print(f"W&B run {run_id} ({lg.mode}) in {self.run.dir}", flush=True)
+
+    # ---- events -------------------------------------------------------------------------
+    def post_step(self, trainer, result) -> None:
+        from depthmix.pretrain.accounting import memory_stats, throughput
+
+        self._seconds += getattr(result, "seconds", 0.0)
+        self._steps += 1
+        t, lg = trainer.run.train, trainer.run.logger
+        if lg.depth_stats_interval and trainer.step % lg.depth_stats_interval == 0:
+            self._depth_stats(trainer)  # collective: every rank
+        if trainer.step % t.log_interval and trainer.step != t.steps:
+            return
+        perf = throughput(trainer, self._seconds / max(self._steps, 1))
+        self._seconds, self._steps = 0.0, 0
+        if self.run is None:
+            return
+        data = {
+            "train/loss": result.loss,
+            "train/lr": result.lr,
+            "train/loss_scale": result.loss_scale,
+            "train/skipped": int(result.skipped),
+            "train/consumed_samples": trainer.consumed_samples,
+            "train/tokens": trainer.consumed_samples * trainer.run.model.seq_length,
+            **perf.as_dict(),
+            **memory_stats(),
+        }
+        if result.grad_norm is not None:
+            data["train/grad_norm"] = result.grad_norm
+        self.run.log(data, step=trainer.step)
+
+    def post_eval(self, trainer, result) -> None:
+        if self.run is not None:
+            self.run.log({"val/loss": result.loss, "val/ppl": math.exp(min(result.loss, 50))},
+                         step=trainer.step)
+
+    def _depth_stats(self, trainer) -> None:
+        from depthmix.pretrain import depth_stats, heatmap
+
+        stats = depth_stats.collect(trainer)
+        if not stats:  # other ranks, or a mixer that records nothing (vanilla)
+            return
+        matrices, scalars = depth_stats.summarise(stats)
+        data = dict(scalars)
+        for name, matrix in matrices.items():
+            image = heatmap.render(matrix)
+            png = heatmap.png_bytes(image)
+            safe = name.replace("/", "_")
+            directory = os.path.join(trainer.run.output_dir, "depth_stats", safe)
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, f"step_{trainer.step:07d}.png"), "wb") as f:
+                f.write(png)
+            if self.run is None:
+                continue
+            import wandb
+
+            caption = f"{name} at step {trainer.step}: rows = layers, columns = sources"
+            if _pil_available():
+                data[f"depth/{name}/heatmap"] = wandb.Image(image, caption=caption)
+            else:
+                b64 = base64.b64encode(png).decode()
+                data[f"depth/{name}/heatmap"] = wandb.Html(
+                    f'<figure><img src="data:image/png;base64,{b64}" '
+                    f'style="image-rendering:pixelated;width:{4 * image.shape[1]}px">'
+                    f"<figcaption>{caption}</figcaption></figure>")
+            columns = ["layer"] + [f"source{j}" for j in range(matrix.shape[1])]
+            rows = [[u] + [None if math.isnan(v) else float(v) for v in matrix[u]]
+                    for u in range(matrix.shape[0]) if not all(map(math.isnan, matrix[u]))]
+            data[f"depth/{name}/table"] = wandb.Table(columns=columns, data=rows)
+        if self.run is not None and data:
+            self.run.log(data, step=trainer.step)
+
+    # ---- shutdown -----------------------------------------------------------------------
+    def _finish(self, exit_code: int = 0) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=exit_code)
+            self.run = None
+
+    def on_error(self, trainer, exc: BaseException) -> None:
+        if not isinstance(exc, SystemExit) or exc.code not in (0, None):
+            self._finish(exit_code=1)
+
+    def close(self, trainer) -> None:
+        self._finish()

@@ -1,0 +1,419 @@
+"""Distributed checkpoints: write, then publish; find the latest; load (also into another layout).
+
+Layout of ``train.save_dir``::
+
+    latest_checkpointed_iteration.txt   the step of the newest complete checkpoint (tracker)
+    iter_0000500/                       one Megatron distributed checkpoint (torch_dist)
+        depthmix.json                   written last: step, layout, format; marks it complete
+        common.pt, metadata.json, *.distcp, ...
+    wandb_run_id.txt                    the W&B run this directory's training logs to
+
+**Write, then publish.** Every rank writes its shards into ``.tmp_iter_0000500``; after a
+barrier rank 0 writes ``depthmix.json``, renames the directory to ``iter_0000500`` and then
+replaces the tracker atomically (write ``tracker.tmp``, fsync, ``os.replace``). A crash at
+any point leaves the previous tracker pointing at a complete checkpoint; leftovers
+(``.tmp_*``, ``.trash_*``) are ignored and removed by the next save. Old checkpoints beyond
+``train.keep_last`` are renamed to ``.trash_*`` before deletion, so a half-deleted
+directory never looks like a checkpoint.
+
+**Contents.** Model chunks (``model`` or ``model0``, ``model1``, ... with virtual stages;
+tensor keys use global layer indices, so any TP/PP layout can load them), the optimizer
+(Adam moments, fp32 main params, the fp16 loss scaler; distributed-optimizer state in the
+``train.ckpt_optim_format`` layout), the LR scheduler, ``step`` and
+``consumed_train_samples`` (the data position), and every rank's RNG states (Python, NumPy,
+torch, CUDA and Megatron's model-parallel tracker), restored only when the layout is
+unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from depthmix.config.schema import ConfigError
+
+log = logging.getLogger("depthmix")
+
+TRACKER = "latest_checkpointed_iteration.txt"
+META = "depthmix.json"
+FORMAT_VERSION = 1
+OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"iter_{step:07d}")
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, META))
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, META)) as f:
+        return json.load(f)
+
+
+def latest_checkpoint(root: Optional[str]) -> Optional[str]:
+    """The complete checkpoint ``root``'s tracker names, or None.
+
+    ``root`` may also be one checkpoint directory (``.../iter_0000500``) itself. If the
+    tracker names a directory that is gone (a crash while replacing a re-saved step), the
+    newest complete checkpoint is used, with a warning.
+    """
+    if not root or not os.path.isdir(root):
+        return None
+    if is_complete(root):
+        return root
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    try:
+        path = step_dir(root, int(text))
+    except ValueError:
+        raise RuntimeError(f"{tracker} is corrupt (holds {text!r}, not a step number)")
+    if not is_complete(path):
+        complete = list_checkpoints(root)
+        if not complete:
+            raise RuntimeError(f"{tracker} names step {text} but {path} is missing or "
+                               "incomplete, and there is no other complete checkpoint")
+        log.warning("%s names step %s but %s is missing or incomplete; using %s", tracker,
+                    text, path, complete[-1][1])
+        path = complete[-1][1]
+    return path
+
+
+def list_checkpoints(root: str) -> list:
+    """Complete ``iter_*`` directories of ``root`` as (step, path), oldest first."""
+    out = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if name.startswith("iter_") and name[5:].isdigit() and is_complete(path):
+                out.append((int(name[5:]), path))
+    return sorted(out)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _remove(path: str) -> None:
+    """Rename out of the way (so it never looks like a checkpoint), then delete."""
+    if not os.path.exists(path):
+        return
+    trash = os.path.join(os.path.dirname(path), f".trash_{os.path.basename(path)}_{time.time_ns()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------
+# What goes into a checkpoint
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    vp: int
+    dp: int
+    distributed_optimizer: bool
+
+    @classmethod
+    def of(cls, trainer) -> "Layout":
+        t = trainer.topo
+        return cls(t.tp, t.pp, t.vp, t.dp, trainer.run.parallel.distributed_optimizer)
+
+    def model_parallel(self) -> tuple:
+        return self.tp, self.pp, self.vp
+
+
+def rng_state() -> dict:
+    """Every random generator this rank uses. On CPU, "CUDA" is the CPU generator."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(topo, state) -> ShardedObject:
+    """One object per rank, addressed by its (pp, tp, dp) coordinates."""
+    return ShardedObject("rng_state", state, (topo.pp, topo.tp, topo.dp),
+                         (topo.pp_rank, topo.tp_rank, topo.dp_rank), replica_id=0)
+
+
+def _distributed_optimizers(optimizer) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in inner if isinstance(o, DistributedOptimizer)]
+
+
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def sharded_state_dict(trainer, is_loading: bool, optimizer: bool = True,
+                       rng: bool = True, optim_format: str = "dp_reshardable") -> dict:
+    """The state of ``trainer`` as Megatron sharded tensors/objects plus common values."""
+    state = {}
+    for i, chunk in enumerate(trainer.model):
+        state[_model_key(i, len(trainer.model))] = chunk.module.sharded_state_dict()
+    if optimizer:
+        metadata = {"distrib_optim_sharding_type": optim_format}
+        if is_loading:
+            # the distributed optimizer's state tensors must exist to be loaded into
+            for opt in _distributed_optimizers(trainer.optimizer):
+                opt._init_optimizer_states_with_dummy_values()
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=metadata)
+        state["scheduler"] = trainer.scheduler.state_dict()
+    if rng:
+        state["rng_state"] = _rng_sharded_object(trainer.topo, None if is_loading else rng_state())
+    state["trainer"] = {"step": trainer.step, "consumed_train_samples": trainer.consumed_samples}
+    return state
+
+
+def _save_strategy(fully_parallel: bool):
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    strategy = get_default_save_sharded_strategy()
+    if fully_parallel and parallel_state.get_data_parallel_world_size() > 1:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return strategy
+
+
+def _load_strategy(path: str, fully_parallel: bool):
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+
+    strategy = get_default_load_sharded_strategy(path)
+    if fully_parallel and parallel_state.get_data_parallel_world_size() > 1:
+        strategy = FullyParallelLoadStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return strategy
+
+
+# ---------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------
+
+
+def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = None) -> str:
+    """Collective: write the checkpoint of ``trainer.step`` and publish it. Returns its path."""
+    t = trainer.run.train
+    step = trainer.step
+    final = step_dir(root, step)
+    tmp = os.path.join(root, f".tmp_iter_{step:07d}")
+    rank = dist.get_rank()
+    start = time.perf_counter()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of an interrupted save or prune
+            if name.startswith((".tmp_iter_", ".trash_")):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+
+    state = sharded_state_dict(trainer, is_loading=False, optim_format=t.ckpt_optim_format)
+    dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(t.ckpt_fully_parallel))
+    dist.barrier()
+
+    if rank == 0:
+        layout = Layout.of(trainer)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "consumed_train_samples": trainer.consumed_samples,
+            "layout": layout.__dict__,
+            "optim_format": t.ckpt_optim_format,
+            "world_size": dist.get_world_size(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **(extra_meta or {}),
+        }
+        _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=2))
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # the same step saved before (e.g. a re-run): replace it
+            _remove(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(os.path.join(root, TRACKER), str(step))
+        for old_step, path in list_checkpoints(root)[:-keep_last or None] if keep_last > 0 else []:
+            if old_step != step:
+                _remove(path)
+    dist.barrier()
+    log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
+    return final
+
+
+# ---------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------
+
+
+def load(trainer, path: str, load_optimizer: bool = True) -> dict:
+    """Collective: restore ``trainer`` from the checkpoint directory ``path``.
+
+    Weights always; optimizer, scheduler, step and data position when ``load_optimizer``;
+    RNG states only when the (TP, PP, VP, DP) layout is the one the checkpoint was saved
+    with. Returns the checkpoint's metadata.
+    """
+    t = trainer.run.train
+    meta = read_meta(path)
+    saved = Layout(**meta["layout"])
+    now = Layout.of(trainer)
+    same_layout = saved == now
+    optim_format = meta.get("optim_format", "dp_reshardable")
+    if load_optimizer and saved.distributed_optimizer != now.distributed_optimizer:
+        raise ConfigError(
+            f"checkpoint {path} was saved with parallel.distributed_optimizer="
+            f"{saved.distributed_optimizer}; resuming with {now.distributed_optimizer} needs "
+            "train.load_optimizer=false (weights only)")
+    if (load_optimizer and now.distributed_optimizer and optim_format == "dp_reshardable"
+            and saved.model_parallel() != now.model_parallel()):
+        raise ConfigError(
+            f"checkpoint {path} holds distributed-optimizer state in the dp_reshardable format, "
+            f"which cannot move from tp/pp/vp={saved.model_parallel()} to "
+            f"{now.model_parallel()}: save it with train.ckpt_optim_format=fully_reshardable, "
+            "or load weights only with train.load_optimizer=false")
+
+    start = time.perf_counter()
+    state = sharded_state_dict(trainer, is_loading=True, optimizer=load_optimizer,
+                               rng=same_layout and load_optimizer, optim_format=optim_format)
+    with torch.no_grad():
+        strategy = _load_strategy(path, t.ckpt_fully_parallel)
+        loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
+        for i, chunk in enumerate(trainer.model):
+            chunk.module.load_state_dict(loaded[_model_key(i, len(trainer.model))], strict=True)
+        if load_optimizer:
+            with _keep_adam_steps(trainer.optimizer, optim_format):
+                trainer.optimizer.load_state_dict(loaded["optimizer"])
+            _restore_adam_steps(trainer.optimizer)
+        else:
+            trainer.optimizer.reload_model_params()
+    if load_optimizer:
+        _load_scheduler(trainer.scheduler, loaded["scheduler"])
+        trainer.step = int(loaded["trainer"]["step"])
+        trainer.consumed_samples = int(loaded["trainer"]["consumed_train_samples"])
+        if same_layout:
+            set_rng_state(loaded["rng_state"])
+        else:
+            log.warning("layout changed from %s to %s: RNG states not restored (each rank "
+                        "keeps its seeded generators)", saved, now)
+    dist.barrier()
+    log.info("loaded checkpoint %s (step %d%s) in %.2f s", path, meta["step"],
+             "" if load_optimizer else ", weights only", time.perf_counter() - start)
+    return meta
+
+
+@contextlib.contextmanager
+def _keep_adam_steps(optimizer, optim_format: str):
+    """Work around Megatron 0.16.1's fully_reshardable loader with torch's Adam (no
+    TE/Apex): it copies every per-param state entry, ``step`` included, from checkpoint
+    tensors that never contain ``step`` (KeyError 'step'). While loading, hand it each
+    param's current ``step`` (already set from the param groups) to copy onto itself."""
+    patched = []
+    if optim_format == "fully_reshardable":
+        for opt in _distributed_optimizers(optimizer):
+            original = opt._set_main_param_and_optimizer_states
+
+            def with_step(model_param, tensors, opt=opt, original=original):
+                if "step" not in tensors:
+                    group, order = opt.model_param_group_index_map[model_param]
+                    main = opt.optimizer.param_groups[group]["params"][order]
+                    step = opt.optimizer.state.get(main, {}).get("step")
+                    if step is not None:
+                        tensors = {**tensors, "step": step}
+                return original(model_param, tensors)
+
+            opt._set_main_param_and_optimizer_states = with_step
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Distributed optimizer with torch's Adam: the loaded per-group ``step`` must reach
+    each param's state, or Adam's bias correction restarts from step 1."""
+    for opt in _distributed_optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            if group.get("step") is None:
+                continue
+            for p in group["params"]:
+                st = opt.optimizer.state.get(p)
+                if st is None or "exp_avg" not in st:
+                    continue
+                old = st.get("step")
+                st["step"] = (torch.full_like(old, float(group["step"])) if torch.is_tensor(old)
+                              else torch.tensor(float(group["step"]), dtype=torch.float32))
+
+
+def _load_scheduler(scheduler, saved: dict) -> None:
+    """The schedule's *position* comes from the checkpoint; its shape (peak LR, warmup,
+    decay steps) from the current config, with a warning for every difference."""
+    current = scheduler.state_dict()
+    changed = {k: (saved[k], v) for k, v in current.items()
+               if k != "num_steps" and k in saved and saved[k] != v}
+    if changed:
+        log.warning("LR schedule differs from the checkpoint's; using the config's: %s",
+                    ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()))
+    scheduler.override_opt_param_scheduler = True
+    try:
+        scheduler.load_state_dict(saved)
+    finally:
+        scheduler.override_opt_param_scheduler = False

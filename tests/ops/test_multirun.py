@@ -1,0 +1,83 @@
+"""Hydra multirun: two values of train.lr run locally (basic launcher) into separate output
+directories with separate checkpoints and W&B runs. Sweep and launcher configs compose."""
+
+import os
+
+import pytest
+import yaml
+
+from cli_runs import base_env
+from ops_harness import run_cli
+from wandb_files import read_run, run_dirs
+
+
+@pytest.mark.slow
+def test_multirun_over_two_learning_rates(tmp_path):
+    tmp, cache = str(tmp_path), str(tmp_path / "cache")
+    env = base_env(tmp, cache)
+    out = run_cli(["-m", "train.lr=1e-3,2e-3", "model=tiny", "train.steps=2",
+                   "train.log_interval=1", "train.eval_interval=0", "train.micro_batch_size=4",
+                   "train.global_batch_size=8", "data.embedded_documents=600",
+                   "logger=wandb_offline"], cwd=tmp, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    sweeps = os.listdir(os.path.join(tmp, "multirun", "local"))
+    assert len(sweeps) == 1
+    root = os.path.join(tmp, "multirun", "local", sweeps[0])
+    jobs = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))
+                  and not d.startswith("."))
+    # <job number>_<overrides>, e.g. 0_data.embedded_documents=600,...,train.lr=0.001,...
+    assert len(jobs) == 2 and jobs[0].startswith("0_") and jobs[1].startswith("1_"), jobs
+    assert "train.lr=0.001" in jobs[0] and "train.lr=0.002" in jobs[1], jobs
+    ids = []
+    for job, lr in zip(jobs, (1e-3, 2e-3)):
+        job_dir = os.path.join(root, job)
+        with open(os.path.join(job_dir, ".hydra", "config.yaml")) as f:
+            assert yaml.safe_load(f)["train"]["lr"] == lr
+        assert os.path.isdir(os.path.join(job_dir, "checkpoints", "iter_0000002"))
+        (run_dir,) = run_dirs(job_dir)
+        run = read_run(run_dir)
+        assert run["config"]["train"]["lr"] == lr
+        assert run["config"]["output_dir"] == job_dir
+        assert [r["_step"] for r in run["history"] if "train/loss" in r] == [1, 2]
+        ids.append(run["id"])
+    assert ids[0] != ids[1]
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_module
+
+    from depthmix.config.store import register_configs
+    from depthmix.pretrain.launch_env import register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_module("depthmix.configs", version_base=None):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def test_lr_sweep_file():
+    cfg = _compose("sweep=lr")
+    assert cfg.hydra.sweeper.params["train.lr"] == "1e-3,3e-3"
+
+
+@pytest.mark.parametrize("sweep,mixer,key,values", [
+    ("depth_attn_stride", "depth_attn", "mixer.stride", "6,12,24"),
+    ("attnres_block_size", "attnres_block", "mixer.block_size", "4,8,12"),
+])
+def test_mixer_sweep_files(sweep, mixer, key, values):
+    from depthmix.megatron_ext.mixers import available
+
+    if mixer not in available():
+        pytest.skip(f"mixer {mixer} is not registered on this branch")
+    cfg = _compose(f"sweep={sweep}")
+    assert cfg.mixer.name == mixer
+    assert cfg.hydra.sweeper.params[key] == values
+
+
+def test_slurm_launcher_config():
+    cfg = _compose("launcher=slurm", "hydra.launcher.partition=gpu")
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("hydra_submitit_launcher.submitit_launcher.SlurmLauncher")
+    assert (launcher.tasks_per_node, launcher.gpus_per_node, launcher.nodes) == (8, 8, 1)
+    assert launcher.partition == "gpu" and launcher.signal_delay_s == 300
+    assert launcher.max_num_timeout == 20

@@ -1,0 +1,75 @@
+"""SIGTERM to one rank of a running 2-process torchrun training (PP=2, gloo): both ranks
+stop after the same step, save a complete checkpoint of it and exit 0; re-running with the
+same run key resumes from that step. Also: ranks agree on one output directory."""
+
+import os
+import re
+import signal
+
+import pytest
+
+from depthmix.pretrain.checkpoint import latest_checkpoint, read_meta, step_dir
+
+from cli_runs import TINY, base_env, rank_processes, torchrun
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("preempt"))
+    cache = str(tmp_path_factory.mktemp("cache"))
+    env = base_env(tmp, cache)
+    args = [*TINY, "parallel=pp2"]
+    first = torchrun(2, args, tmp, env, timeout=300)
+    try:
+        first.wait_for(lambda p: any(s >= 3 for s in p.steps()), "step 3")
+        ranks = rank_processes(first.p.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        # rank 0 is not the logging rank (that is the last pipeline stage, rank 1): the
+        # flag must travel through the all-reduce for rank 1 to stop and report it
+        ranks[0].send_signal(signal.SIGTERM)
+        code = first.finish()
+    finally:
+        first.kill()
+    runs = os.listdir(os.path.join(tmp, "outputs", "local"))
+    return {"tmp": tmp, "cache": cache, "env": env, "args": args, "first": first,
+            "code": code, "runs": runs}
+
+
+def test_sigterm_saves_the_current_step_and_exits_zero(preempted):
+    first, tmp = preempted["first"], preempted["tmp"]
+    assert preempted["code"] == 0, first.text[-3000:]
+    m = re.search(r"preemption \(SIGTERM\) at step (\d+)", first.text)
+    assert m, first.text[-3000:]
+    stopped = int(m.group(1))
+    assert first.steps()[-1] == stopped < 500  # nothing ran after the step it was on
+    assert len(preempted["runs"]) == 1, preempted["runs"]  # every rank used one directory
+    root = os.path.join(tmp, "outputs", "local", preempted["runs"][0], "tiny_vanilla",
+                        "checkpoints")
+    assert latest_checkpoint(root) == step_dir(root, stopped)
+    meta = read_meta(step_dir(root, stopped))
+    assert meta["step"] == stopped and meta["consumed_train_samples"] == 8 * stopped
+    assert meta["layout"]["pp"] == 2
+
+
+def test_rerun_resumes_from_the_preemption_checkpoint(preempted):
+    first, tmp = preempted["first"], preempted["tmp"]
+    stopped = first.steps()[-1]
+    env = dict(preempted["env"], DEPTHMIX_RUN_KEY=f"local/{preempted['runs'][0]}")
+    second = torchrun(2, [*preempted["args"], "train.exit_after_steps=2"], tmp, env,
+                      timeout=300)
+    try:
+        code = second.finish()
+    finally:
+        second.kill()
+    assert code == 0, second.text[-3000:]
+    assert f"at step {stopped}" in second.text and "resumed from" in second.text
+    assert second.steps() == [stopped + 1, stopped + 2]
+    assert os.listdir(os.path.join(tmp, "outputs", "local")) == preempted["runs"]
+    run_dir = os.path.join(tmp, "outputs", "local", preempted["runs"][0], "tiny_vanilla")
+    root = os.path.join(run_dir, "checkpoints")
+    assert latest_checkpoint(root) == step_dir(root, stopped + 2)
+    # .hydra is written by rank 0 only (rank 1 runs with hydra.output_subdir=null)
+    assert sorted(os.listdir(os.path.join(run_dir, ".hydra"))) == \
+        ["config.yaml", "hydra.yaml", "overrides.yaml"]
