@@ -143,7 +143,7 @@ def test_console_line_fields_and_quiet_ranks():
         if not logging_rank:
             assert lines == []
             continue
-        assert len(lines) == 2  # every log_interval=2 steps
+        assert len(lines) == 3  # step 1, then every log_interval=2 steps
         line = lines[-1]
         # 1000 tokens / 0.25 s = 4000 tok/s; x 6 GFLOP / 2 devices = 12 TFLOP/s; / 10 = 120%
         for part in ("step      4/10", "loss 2.5000", "lr 1.000e-03", "grad 0.750", "scale 1",
