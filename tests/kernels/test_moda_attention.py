@@ -1,6 +1,6 @@
 """``moda_attention`` reference: against explicit loops, its visibility rule, the
-preallocated-buffer (``depth_count``) form the fused kernel will use, decoding, and fp32
-statistics for bf16 inputs."""
+preallocated-buffer (``depth_count``) form the fused kernel uses, decoding, and fp32
+statistics for bf16 inputs. (The fused kernel: ``test_moda_attention_triton.py``.)"""
 
 import math
 
@@ -70,8 +70,12 @@ def test_reference_matches_loops_fwd_bwd(sq, sk, b, np_, ng, hn, d):
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_public_op_is_the_reference():
-    assert moda_attention is moda_attention_reference
+def test_public_op_is_the_fused_kernel_and_impl_selects():
+    from depthmix.kernels.moda_attention import get_moda_attention, moda_attention_triton
+
+    assert moda_attention is moda_attention_triton
+    assert get_moda_attention("torch") is moda_attention_reference
+    assert get_moda_attention("triton") is moda_attention_triton
 
 
 def test_visibility_rule():

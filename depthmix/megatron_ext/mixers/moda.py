@@ -46,7 +46,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from depthmix.config.schema import ConfigError
-from depthmix.kernels.moda_attention import moda_attention, moda_depth_weights
+from depthmix.kernels.moda_attention import get_moda_attention, moda_depth_weights
 from depthmix.megatron_ext.attention import DepthMixSelfAttention, SDPACoreAttention, causal_sdpa
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthState, Entry
@@ -304,7 +304,12 @@ class MoDASelfAttention(DepthMixSelfAttention):
 
 class MoDACoreAttention(SDPACoreAttention):
     """Core attention over the causal sequence KV and the depth KV under one softmax
-    (``kernels.moda_attention``); plain SDPA where a layer has no depth entries."""
+    (``kernels.moda_attention``: the fused Triton kernel with ``mixer.impl=triton``, the
+    PyTorch reference with ``torch``); plain SDPA where a layer has no depth entries."""
+
+    def __init__(self, config, layer_number: int, **kwargs):
+        super().__init__(config, layer_number, **kwargs)
+        self.moda_attention = get_moda_attention(config.mixer.impl)
 
     def forward(self, query, key, value, attention_mask=None, depth_key=None,
                 depth_value=None, depth_stats=None, **kwargs):
@@ -313,8 +318,8 @@ class MoDACoreAttention(SDPACoreAttention):
         if depth_stats is not None:
             depth_stats(moda_depth_weights(query, key, depth_key,
                                            softmax_scale=self.softmax_scale))
-        return moda_attention(query, key, value, depth_key, depth_value,
-                              softmax_scale=self.softmax_scale)
+        return self.moda_attention(query, key, value, depth_key, depth_value,
+                                   softmax_scale=self.softmax_scale)
 
 
 class MoDAMLPDepthKV(StateHook):
