@@ -5,7 +5,7 @@ Each op ``depthmix/kernels/<op>/bench.py`` defines ``cases(smoke: bool)`` return
 :class:`Case` objects: a shape id, a function making fresh inputs, and candidates
 (``ours`` = the Triton kernel, ``torch`` = our PyTorch path, ``compile`` = torch.compile of
 it, and public kernels when importable). All candidates of a case run in one process,
-alternating, and the table gives ratios to ``torch``. On a machine without CUDA only a
+alternating, and the table gives ratios to ``torch`` (or to the case's ``baseline``). On a machine without CUDA only a
 smoke shape runs (through the Triton interpreter when TRITON_INTERPRET=1): it checks the
 plumbing; CPU times say nothing about GPU kernels.
 
@@ -34,6 +34,9 @@ class Case:
     make_inputs: Callable[[], tuple]
     """Returns ``(args, kwargs)``; tensors that need gradients have requires_grad set."""
     candidates: Dict[str, Callable] = field(default_factory=dict)
+    baseline: str = "torch"
+    """The candidate the ratio column divides by (e.g. plain attention for "attention +
+    depth mix" cases)."""
 
 
 def _sync():
@@ -79,7 +82,7 @@ def main():
 
     print(f"{device} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{'smoke shapes' if smoke else 'full shapes'} | median of {args.reps}")
-    header = f"{'op':<16}{'shape':<34}{'candidate':<14}{'fwd ms':>9}{'f+b ms':>9}{'f+b/torch':>10}{'peak MiB':>10}"
+    header = f"{'op':<16}{'shape':<34}{'candidate':<14}{'fwd ms':>9}{'f+b ms':>9}{'f+b/base':>10}{'peak MiB':>10}"
     print(header)
     for op in args.ops.split(","):
         try:
@@ -96,7 +99,7 @@ def main():
                     results[name] = (fwd, both, peak)
                 except Exception as e:  # a public kernel may refuse a shape; report it
                     results[name] = e
-            ref = results.get("torch")
+            ref = results.get(case.baseline)
             for name, r in results.items():
                 if isinstance(r, Exception):
                     print(f"{op:<16}{case.shape:<34}{name:<14}  failed: {type(r).__name__}: {str(r)[:60]}")

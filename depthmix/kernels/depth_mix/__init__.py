@@ -1,11 +1,10 @@
 """Depth-Attention's depth step: ``depth_mix`` (and the weights it uses, ``depth_weights``).
 
-``reference.py`` is plain PyTorch with fp32 statistics; a fused Triton kernel (same
-signature) will sit next to it. :func:`get_depth_mix` maps the resolved ``mixer.impl`` to
-the function that runs.
+``reference.py`` is plain PyTorch with fp32 statistics (``depth_mix``, the source of truth);
+``function.py`` is the fused Triton kernel with the same signature (``fused_depth_mix``,
+imported lazily so that importing this package never needs Triton). :func:`get_depth_mix`
+maps the resolved ``mixer.impl`` to the function that runs.
 """
-
-import logging
 
 from depthmix.kernels.depth_mix.reference import (
     MIX_RULES,
@@ -14,29 +13,30 @@ from depthmix.kernels.depth_mix.reference import (
     depth_weights,
 )
 
-log = logging.getLogger("depthmix")
-
-IMPLEMENTATIONS = {"torch": depth_mix}
-"""``mixer.impl`` -> implementation. The Triton kernel registers as ``"triton"``."""
-
 
 def get_depth_mix(impl: str):
-    """The ``depth_mix`` implementation for a resolved ``mixer.impl`` (``torch``/``triton``).
-
-    Until the fused kernel exists, ``triton`` runs the PyTorch reference and says so once.
-    """
+    """The ``depth_mix`` implementation for a resolved ``mixer.impl``: ``torch`` (the
+    reference) or ``triton`` (:func:`fused_depth_mix`)."""
     if impl == "auto":  # a config that skipped start-up resolution
         from depthmix.kernels.dispatch import resolve_impl
 
         impl = resolve_impl(impl)[0]
-    if impl in IMPLEMENTATIONS:
-        return IMPLEMENTATIONS[impl]
-    if impl == "triton":
-        log.warning("mixer.impl=triton: depth_mix has no Triton kernel yet; running the "
-                    "PyTorch reference")
-        IMPLEMENTATIONS["triton"] = depth_mix
+    if impl == "torch":
         return depth_mix
+    if impl == "triton":
+        from depthmix.kernels.depth_mix.function import fused_depth_mix
+
+        return fused_depth_mix
     raise ValueError(f"depth_mix has no implementation {impl!r}")
 
 
-__all__ = ["MIX_RULES", "MIXED_STATES", "depth_mix", "depth_weights", "get_depth_mix"]
+def __getattr__(name):
+    if name == "fused_depth_mix":
+        from depthmix.kernels.depth_mix.function import fused_depth_mix
+
+        return fused_depth_mix
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["MIX_RULES", "MIXED_STATES", "depth_mix", "depth_weights", "fused_depth_mix",
+           "get_depth_mix"]

@@ -1,0 +1,143 @@
+"""Benchmarks of ``depth_mix`` for ``tools/bench_kernels.py --ops depth_mix``.
+
+Two kinds of case, all in the 3B-width head layout with head dim 128 (16 query heads,
+``G = 1, 4, 8`` -> 16, 4, 2 KV heads), batch 1, bf16, ``T = 4K, 16K, 64K``, ``S = 2``
+sources (Depth-Attention's default stride: the second half of the layers mixes over two):
+
+* ``op``: the depth step alone — ``ours`` (the Triton kernel), ``torch`` (the reference),
+  ``compile`` (``torch.compile`` of the reference). There is no public kernel to compare
+  with: the paper's code is an einsum before SDPA, which is what ``torch`` does.
+* ``attn+mix``: what issue 9 targets, "Depth-Attention's attention + mix <= 1.02x plain
+  attention": causal attention on the mixed value vs causal attention alone (the
+  ``baseline`` the ratio column divides by). Attention is the stack's ``causal_sdpa``
+  (flash SDPA on GPU); when fla-core is importable, the same pair again with its
+  ``parallel_attn`` as the plain attention.
+
+Without CUDA one smoke shape runs (fp32, ``ours`` only through the Triton interpreter,
+``compile`` left out: Inductor's CPU build takes minutes here and says nothing about GPUs).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict
+
+import torch
+
+from depthmix.kernels.depth_mix.reference import depth_mix
+from depthmix.kernels.dispatch import triton_status
+from depthmix.megatron_ext.attention import causal_sdpa
+
+
+def _case_class():
+    """``tools/bench_kernels.Case`` when the repository's tools are there, else the same shape."""
+    path = Path(__file__).resolve().parents[3] / "tools" / "bench_kernels.py"
+    if path.exists():
+        spec = importlib.util.spec_from_file_location("_depthmix_bench_kernels", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+        if "baseline" in getattr(module.Case, "__dataclass_fields__", {}):
+            return module.Case
+
+    @dataclass
+    class Case:
+        op: str
+        shape: str
+        make_inputs: Callable[[], tuple]
+        candidates: Dict[str, Callable] = field(default_factory=dict)
+        baseline: str = "torch"
+
+    return Case
+
+
+Case = _case_class()
+
+NUM_HEADS, HEAD_DIM, NUM_SOURCES = 16, 128, 2
+
+
+def _inputs(t: int, heads: int, groups: int, head_dim: int, num_sources: int,
+            dtype: torch.dtype, device: str):
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device).requires_grad_()
+
+    def make():
+        query = leaf(t, 1, heads, head_dim)
+        key, value = leaf(t, 1, heads // groups, head_dim), leaf(t, 1, heads // groups, head_dim)
+        src_keys = [leaf(t, 1, heads // groups, head_dim) for _ in range(num_sources)]
+        src_values = [leaf(t, 1, heads // groups, head_dim) for _ in range(num_sources)]
+        return (query, key, value, src_keys, src_values), {}
+
+    return make
+
+
+def _mixed_value(mix: Callable) -> Callable:
+    """The op in value mode (the default): only the mixed value is an output."""
+    def run(query, key, value, src_keys, src_values):
+        return mix(query, key, value, src_keys, src_values)[1]
+    return run
+
+
+def _then(mix: Callable, attention: Callable) -> Callable:
+    """Depth step, then causal attention on the mixed value."""
+    def run(query, key, value, src_keys, src_values):
+        return attention(query, key, mix(query, key, value, src_keys, src_values)[1])
+    return run
+
+
+def _plain(attention: Callable) -> Callable:
+    def run(query, key, value, src_keys, src_values):
+        return attention(query, key, value)
+    return run
+
+
+def _fla_attention():
+    try:
+        from fla.ops.attn import parallel_attn
+    except Exception:  # fla-core is optional and GPU-only
+        return None
+
+    def attention(query, key, value):  # [s, b, h, d] -> fla's [b, s, h, d]
+        out = parallel_attn(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
+        return out.transpose(0, 1)
+
+    return attention
+
+
+def cases(smoke: bool) -> list:
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    mixes: Dict[str, Callable] = {"torch": depth_mix}
+    if triton_status()[0]:
+        from depthmix.kernels.depth_mix.function import fused_depth_mix
+
+        mixes = {"ours": fused_depth_mix, **mixes}
+    if cuda:
+        mixes["compile"] = torch.compile(depth_mix, dynamic=False)
+    attentions = {"sdpa": causal_sdpa}
+    fla = _fla_attention() if cuda else None
+    if fla is not None:
+        attentions["fla"] = fla
+
+    if smoke or not cuda:
+        shapes = [(64, 4, 2, 32, torch.float32)]
+    else:
+        shapes = [(t, NUM_HEADS, g, HEAD_DIM, torch.bfloat16)
+                  for t in (4096, 16384, 65536) for g in (1, 4, 8)]
+
+    out = []
+    for t, heads, g, hd, dtype in shapes:
+        label = f"T{t}-G{g}-hd{hd}" + (f"-np{heads}-fp32" if dtype == torch.float32 else "")
+        make = _inputs(t, heads, g, hd, NUM_SOURCES, dtype, device)
+        out.append(Case("depth_mix", f"op {label}", make,
+                        {name: _mixed_value(mix) for name, mix in mixes.items()}))
+        for attn_name, attention in attentions.items():
+            candidates = {attn_name: _plain(attention)}
+            candidates.update({f"{name}+{attn_name}": _then(mix, attention)
+                               for name, mix in mixes.items()})
+            out.append(Case("depth_mix", f"attn+mix {label}", make, candidates,
+                            baseline=attn_name))
+    return out
