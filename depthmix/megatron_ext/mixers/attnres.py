@@ -36,7 +36,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from depthmix.config.schema import ConfigError
-from depthmix.kernels.attnres import attnres
+from depthmix.kernels.attnres import attnres_op
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import STEM, DepthState, Entry
 from depthmix.megatron_ext.layer import ResidualOp
@@ -212,12 +212,15 @@ class PseudoQueryRead(MegatronModule):
             p.no_weight_decay = True
             p.sequence_parallel = config.sequence_parallel
         self.geometry = AttnResGeometry.from_config(config)
+        # the op implementation is fixed here, from the start-up resolved mixer.impl
+        self.attnres = attnres_op(config.mixer.impl)
 
-    def aggregate(self, state: DepthState, i: int) -> Tuple[Tensor, Tensor]:
-        """(``h_i`` ``[s, b, h]``, weights ``[S, s, b]``) over sublayer ``i``'s sources."""
+    def aggregate(self, state: DepthState, i: int, return_weights: bool = False):
+        """``h_i`` ``[s, b, h]`` over sublayer ``i``'s sources (and the weights
+        ``[S, s, b]`` with ``return_weights``)."""
         sources = [state[name] for name in self.geometry.sources(i)]
-        return attnres(sources, self.query, self.key_norm.weight, self.key_norm.eps,
-                       return_weights=True)
+        return self.attnres(sources, self.query, self.key_norm.weight, self.key_norm.eps,
+                            return_weights=return_weights)
 
 
 class AttnResResidual(ResidualOp):
@@ -230,9 +233,10 @@ class AttnResResidual(ResidualOp):
 
     def read(self, state: DepthState, ctx: ForwardContext) -> Tuple[Tensor, Any]:
         i = AttnResGeometry.sublayer(ctx.layer, self.sublayer)
-        x, weights = self.read_op.aggregate(state, i)
-        if ctx.stats is not None:
-            ctx.record(f"attnres_{self.sublayer}", weights.mean(dim=(1, 2)))
+        if ctx.stats is None:
+            return self.read_op.aggregate(state, i), None
+        x, weights = self.read_op.aggregate(state, i, return_weights=True)
+        ctx.record(f"attnres_{self.sublayer}", weights.mean(dim=(1, 2)))
         return x, None
 
     def write(self, state: DepthState, output: Tensor, token: Any, ctx: ForwardContext) -> None:
@@ -255,9 +259,11 @@ class AttnResHead(StateHead):
         self.read_op = PseudoQueryRead(config)
 
     def forward(self, state: DepthState, ctx: ForwardContext) -> Tensor:
-        x, weights = self.read_op.aggregate(state, self.read_op.geometry.head)
-        if ctx.stats is not None:
-            ctx.stats["head/attnres"] = weights.mean(dim=(1, 2)).detach().float()
+        head = self.read_op.geometry.head
+        if ctx.stats is None:
+            return self.read_op.aggregate(state, head)
+        x, weights = self.read_op.aggregate(state, head, return_weights=True)
+        ctx.stats["head/attnres"] = weights.mean(dim=(1, 2)).detach().float()
         return x
 
 

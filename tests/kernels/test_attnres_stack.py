@@ -1,0 +1,74 @@
+"""The fused ``attnres`` kernel inside the training stack: Full and Block AttnRes with
+``mixer.impl=triton`` (Triton's interpreter on CPU) train the tiny model 3 steps with the
+losses (1e-4 relative) and step-1 gradients (1e-4 of the gradient norm) of
+``mixer.impl=torch`` at TP=1, TP=2 with sequence parallelism, PP=2 and with full
+activation recomputation. One process group per world size holds all of its runs."""
+
+import math
+
+import pytest
+
+from depthmix.kernels.attnres import attnres_reference, fused_attnres
+from depthmix.kernels.dispatch import resolve_impl
+from depthmix.testing import build_model, run_layouts, tiny_run
+
+MIXERS = {"full": ("attnres_full", {}), "block": ("attnres_block", {"block_size": 2})}
+# layout: (world size, parallel options)
+LAYOUTS = {
+    "tp1": (1, {}),
+    "recompute": (1, {"recompute": "full"}),
+    "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}),
+    "pp2": (2, {"pp": 2}),
+}
+RUNS = [(mixer, layout, impl) for layout in LAYOUTS for mixer in MIXERS
+        for impl in ("torch", "triton")]
+
+
+def make_run(mixer, layout, impl):
+    name, options = MIXERS[mixer]
+    run = tiny_run(name, **options)
+    run.mixer.impl, _ = resolve_impl(impl)
+    run.train.micro_batch_size, run.train.global_batch_size = 2, 8  # 4 micro-batches
+    run.train.lr = 1e-2
+    for key, value in LAYOUTS[layout][1].items():
+        setattr(run.parallel, key, value)
+    return run
+
+
+@pytest.fixture(scope="module")
+def results():
+    """``results(key)``: a run's result; the first request for a world size trains every
+    run of that world size in one process group."""
+    cache = {}
+
+    def get(key):
+        if key not in cache:
+            world = LAYOUTS[key[1]][0]
+            keys = [k for k in RUNS if LAYOUTS[k[1]][0] == world]
+            cache.update(zip(keys, run_layouts([make_run(*k) for k in keys], world_size=world)))
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_triton_trains_like_torch(mixer, layout, results):
+    ours, ref = results((mixer, layout, "triton")), results((mixer, layout, "torch"))
+    assert len(ours["losses"]) == 3
+    for step, (a, b) in enumerate(zip(ours["losses"], ref["losses"])):
+        assert math.isclose(a, b, rel_tol=1e-4), f"step {step + 1}: loss {a} vs {b}"
+    assert set(ours["grads"]) == set(ref["grads"])
+    norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in ref["grads"].values()))
+    for name, g in ref["grads"].items():
+        err = (ours["grads"][name] - g).double().norm().item()
+        assert err <= 1e-4 * norm, f"grad {name}: err {err / norm:.2e} of the norm"
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_mixer_uses_the_resolved_impl(impl, megatron_single):
+    model = build_model(make_run("full", "tp1", impl))
+    ops = {m.attnres for m in model.modules() if hasattr(m, "attnres")}
+    assert ops == {fused_attnres if impl == "triton" else attnres_reference}
