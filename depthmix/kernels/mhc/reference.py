@@ -108,6 +108,19 @@ def mhc_pre(x: Tensor, h_pre: Tensor) -> Tensor:
     return (h_pre.unsqueeze(-2) @ _acc(x)).squeeze(-2)
 
 
+def mhc_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, variant: str = "mhc",
+             sinkhorn_iters: int = 20, eps: float = 1e-6
+             ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """What a sublayer reads (the first launch of the fused kernel): the coefficients of
+    :func:`mhc_coefficients` and the sublayer input :func:`mhc_pre` cast to ``x.dtype``.
+
+    Returns ``x_in [..., h]`` (x.dtype), ``h_pre [..., n]``, ``h_post [..., n]``,
+    ``h_res [..., n, n]`` or None.
+    """
+    h_pre, h_post, h_res = mhc_coefficients(x, phi, alpha, bias, variant, sinkhorn_iters, eps)
+    return mhc_pre(x, h_pre).to(x.dtype), h_pre, h_post, h_res
+
+
 def mhc_post_res(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor]) -> Tensor:
     """New streams ``H_res X + H_post^T y``.
 

@@ -39,7 +39,7 @@ from depthmix.kernels.mhc import (
     coefficient_width,
     mhc_coefficients,
     mhc_post_res,
-    mhc_pre,
+    mhc_read,
 )
 from depthmix.megatron_ext.depth_state import STEM, Entry
 from depthmix.megatron_ext.layer import ResidualOp
@@ -130,6 +130,14 @@ class HyperConnection(ResidualOp):
         self.bias = torch.nn.Parameter(static_bias(self.variant, n, self.home).to(dtype))
         for param in (self.phi, self.alpha, self.bias):
             mark_mixing_parameter(param, config)
+        # The ops, chosen once from mixer.impl: the reference (PyTorch) or the fused Triton
+        # kernels (two launches per sublayer: read, post/res), same signatures.
+        if mc.impl == "triton":
+            from depthmix.kernels.mhc import fused_mhc_post_res, fused_mhc_read
+
+            self._read_op, self._post_res_op = fused_mhc_read, fused_mhc_post_res
+        else:
+            self._read_op, self._post_res_op = mhc_read, mhc_post_res
 
     def coefficients(self, x):
         return mhc_coefficients(x, self.phi, self.alpha, self.bias, self.variant,
@@ -137,7 +145,8 @@ class HyperConnection(ResidualOp):
 
     def read(self, state, ctx):
         x = state[STREAMS]  # [s, b, n, h]
-        h_pre, h_post, h_res = self.coefficients(x)
+        x_in, h_pre, h_post, h_res = self._read_op(x, self.phi, self.alpha, self.bias,
+                                                   self.variant, self.sinkhorn_iters, self.eps)
         if ctx.stats is not None:
             with torch.no_grad():
                 ctx.record(f"{self.sublayer}/H_pre", h_pre.mean(dim=(0, 1)))
@@ -145,12 +154,12 @@ class HyperConnection(ResidualOp):
                 eye = torch.eye(self.streams, dtype=h_pre.dtype, device=h_pre.device)
                 ctx.record(f"{self.sublayer}/H_res",
                            eye if h_res is None else h_res.mean(dim=(0, 1)))
-        return mhc_pre(x, h_pre).to(x.dtype), (h_post, h_res)  # [s, b, h]
+        return x_in, (h_post, h_res)  # x_in [s, b, h]
 
     def write(self, state, output, token, ctx) -> None:
         h_post, h_res = token
         x = state[STREAMS]
-        state[STREAMS] = mhc_post_res(x, output, h_post, h_res).to(x.dtype)
+        state[STREAMS] = self._post_res_op(x, output, h_post, h_res).to(x.dtype)
 
 
 class StreamStem(MegatronModule):
@@ -181,7 +190,8 @@ def get_mhc_model_spec(config):
     layer = dataclasses.replace(get_decoder_layer_submodules(config),
                                 attn_residual=residual, mlp_residual=residual)
     if config.mixer.impl == "triton":
-        log.info("mixer=mhc: no Triton kernel yet (issue 9); running the PyTorch reference ops")
+        log.info("mixer=mhc: fused Triton kernels (depthmix.kernels.mhc.fused_mhc_read, "
+                 "fused_mhc_post_res)")
     return get_model_submodules(config, layer, stem=StreamStem, head=StreamHead)
 
 
