@@ -17,26 +17,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List
+from typing import Callable, List
 
 import torch
 
+from depthmix.kernels.bench_case import Case  # noqa: F401  (re-exported for bench modules)
+
 OPS = ["depth_mix", "moda_attention", "attnres", "mhc"]
-
-
-@dataclass
-class Case:
-    op: str
-    shape: str
-    make_inputs: Callable[[], tuple]
-    """Returns ``(args, kwargs)``; tensors that need gradients have requires_grad set."""
-    candidates: Dict[str, Callable] = field(default_factory=dict)
-    baseline: str = "torch"
-    """The candidate the ratio column divides by (e.g. plain attention for "attention +
-    depth mix" cases)."""
 
 
 def _sync():
@@ -77,6 +67,8 @@ def main():
     p.add_argument("--smoke", action="store_true", help="tiny shapes (default without CUDA)")
     args = p.parse_args()
     smoke = args.smoke or not torch.cuda.is_available()
+    if not torch.cuda.is_available():  # before any kernel module is imported (triton.jit reads it)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     import triton
 

@@ -19,42 +19,16 @@ Without CUDA one smoke shape runs (fp32, ``ours`` only through the Triton interp
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Dict
 
 import torch
 
+from depthmix.kernels.bench_case import Case
 from depthmix.kernels.depth_mix.reference import depth_mix
 from depthmix.kernels.dispatch import triton_status
 from depthmix.megatron_ext.attention import causal_sdpa
 
 
-def _case_class():
-    """``tools/bench_kernels.Case`` when the repository's tools are there, else the same shape."""
-    path = Path(__file__).resolve().parents[3] / "tools" / "bench_kernels.py"
-    if path.exists():
-        spec = importlib.util.spec_from_file_location("_depthmix_bench_kernels", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-        if "baseline" in getattr(module.Case, "__dataclass_fields__", {}):
-            return module.Case
-
-    @dataclass
-    class Case:
-        op: str
-        shape: str
-        make_inputs: Callable[[], tuple]
-        candidates: Dict[str, Callable] = field(default_factory=dict)
-        baseline: str = "torch"
-
-    return Case
-
-
-Case = _case_class()
 
 NUM_HEADS, HEAD_DIM, NUM_SOURCES = 16, 128, 2
 
