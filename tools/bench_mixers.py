@@ -37,6 +37,10 @@ def parse_args():
     return p.parse_args()
 
 
+# the tiny preset's 8 sublayers cannot hold Block AttnRes' default 12-sublayer block
+TINY_OPTIONS = ["attnres_block.block_size=4"]
+
+
 def build_runs(args):
     from depthmix.config.load import compose_run
     from depthmix.megatron_ext.mixers import available, get_mixer
@@ -47,7 +51,9 @@ def build_runs(args):
     names = ["vanilla", *names]
     impls = args.impl.split(",")
     options = {}
-    for item in args.option:
+    given = {item.split("=", 1)[0] for item in args.option}
+    defaults = [o for o in TINY_OPTIONS if o.split("=", 1)[0] not in given]
+    for item in (defaults if args.model == "tiny" else []) + args.option:
         key, value = item.split("=", 1)
         mixer, field = key.split(".", 1)
         options.setdefault(mixer, []).append(f"mixer.{field}={value}")
