@@ -55,6 +55,7 @@ def measure(fn: Callable, make_inputs: Callable, backward: bool, reps: int, warm
         _sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+        args = kwargs = out = outs = None  # free inputs, grads and graph before the next inputs
     peak = (torch.cuda.max_memory_allocated() - base) if torch.cuda.is_available() else 0
     return statistics.median(times), peak
 
@@ -90,7 +91,7 @@ def main():
                     both, peak = measure(fn, case.make_inputs, True, args.reps, args.warmup)
                     results[name] = (fwd, both, peak)
                 except Exception as e:  # a public kernel may refuse a shape; report it
-                    results[name] = e
+                    results[name] = e.with_traceback(None)  # its frames hold the run's tensors
             ref = results.get(case.baseline)
             for name, r in results.items():
                 if isinstance(r, Exception):

@@ -1,0 +1,136 @@
+"""Benchmarks of ``moda_attention`` for ``tools/bench_kernels.py --ops moda_attention``.
+
+What issue 9 asks of the MoDA kernel is its price over plain attention: MoDA's
+forward+backward time over plain causal attention at each ``T`` (seed 003's targets, A100
+vs FlashAttention-2 in Triton: +25.9% at 4K, +8.6% at 16K, +2.7% at 64K). So every case
+holds the plain attention as its ``baseline`` and the ratio column is that overhead
+(targets: ``ours`` <= 1.259, 1.086, 1.027):
+
+* ``moda``: ``sdpa`` (the stack's ``causal_sdpa``, flash SDPA on GPU: what a layer without
+  depth entries runs) against ``ours`` (the fused Triton kernel), ``torch`` (the reference)
+  and ``compile`` (``torch.compile`` of the reference). The reference materialises the fp32
+  scores ``[b, np, T, T + D]`` (16 GiB at 16K, 256 GiB at 64K), so ``torch`` and
+  ``compile`` only run up to ``REFERENCE_MAX_T``.
+* ``moda/fla``: when fla-core is importable (GPU only), its ``parallel_attn`` (a
+  flash-attention kernel in Triton, the closest to the paper's FA2-Triton) as the plain
+  attention, against ``ours``.
+
+Shapes: the head layout of the ``depth_mix`` benchmark, the 3B width (2048) as 16 query
+heads of dim 128, ``G = 1, 4, 8`` (16, 4, 2 KV heads), batch 1, bf16, ``T = 4K, 16K, 64K``.
+The depth KV ``[T, 1, ng, D, 128]`` holds what a layer reads with the mixer's default
+options (``configs/mixer/moda.yaml``: ``ffn_kv_proj`` on, ``depth_window`` null, i.e.
+every earlier attention and MLP entry) in the middle layer (24) of the 48-layer 1.5B/3B
+presets: ``D = 48`` (:func:`depth_entries`), the per-layer mean (47) rounded to a whole
+layer; the last layer reads 94. (The presets' own heads are 64 wide.) The depth tensors are
+contiguous leaves, as the mixer's ``torch.stack`` of its entries makes them (the stack's
+copy is not timed).
+
+Without CUDA one smoke shape runs (fp32, ``ours`` only through the Triton interpreter,
+``compile`` left out: Inductor's CPU build takes minutes here and says nothing about GPUs).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, NamedTuple
+
+import torch
+
+from depthmix.kernels.bench_case import Case
+from depthmix.kernels.dispatch import triton_status
+from depthmix.kernels.moda_attention.reference import moda_attention_reference
+from depthmix.megatron_ext.attention import causal_sdpa
+
+NUM_HEADS, HEAD_DIM, NUM_LAYERS = 16, 128, 48
+REFERENCE_MAX_T = 16384
+"""Longest sequence the reference (and its compiled form) is timed at."""
+
+
+class Shape(NamedTuple):
+    t: int
+    heads: int
+    g: int
+    head_dim: int
+    depth: int
+    dtype: torch.dtype
+
+
+def depth_entries(num_layers: int = NUM_LAYERS) -> int:
+    """Depth entries the middle layer reads under the default ``mixer=moda`` options."""
+    from depthmix.megatron_ext.mixers.moda import MoDAGeometry
+
+    geo = MoDAGeometry(num_layers, 1, ffn_kv_proj=True, depth_window=None)
+    return len(geo.visible(num_layers // 2))
+
+
+def shapes(smoke: bool) -> list:
+    if smoke:
+        return [Shape(64, 4, 2, 32, 4, torch.float32)]
+    d = depth_entries()
+    return [Shape(t, NUM_HEADS, g, HEAD_DIM, d, torch.bfloat16)
+            for t in (4096, 16384, 65536) for g in (1, 4, 8)]
+
+
+def _inputs(shape: Shape, device: str):
+    t, heads, g, hd, d, dtype = shape
+
+    def leaf(*dims):
+        return torch.randn(*dims, dtype=dtype, device=device).requires_grad_()
+
+    def make():
+        query = leaf(t, 1, heads, hd)
+        key, value = leaf(t, 1, heads // g, hd), leaf(t, 1, heads // g, hd)
+        depth_key, depth_value = leaf(t, 1, heads // g, d, hd), leaf(t, 1, heads // g, d, hd)
+        return (query, key, value, depth_key, depth_value), {}
+
+    return make
+
+
+def _plain(attention: Callable) -> Callable:
+    """Causal attention over the sequence only (the depth KV is ignored)."""
+    def run(query, key, value, depth_key, depth_value):
+        return attention(query, key, value)
+    return run
+
+
+def _fla_attention():
+    try:
+        from fla.ops.attn import parallel_attn
+    except Exception:  # fla-core is optional and GPU-only
+        return None
+
+    def attention(query, key, value):  # [s, b, h, d] -> fla's [b, s, h, d] and back
+        out = parallel_attn(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
+        return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    return attention
+
+
+def _label(shape: Shape) -> str:
+    label = f"T{shape.t}-G{shape.g}-hd{shape.head_dim}-D{shape.depth}"
+    return label + (f"-np{shape.heads}-fp32" if shape.dtype == torch.float32 else "")
+
+
+def cases(smoke: bool) -> list:
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    ours: Dict[str, Callable] = {}
+    if triton_status()[0]:
+        from depthmix.kernels.moda_attention.function import moda_attention_triton
+
+        ours["ours"] = moda_attention_triton
+    references: Dict[str, Callable] = {"torch": moda_attention_reference}
+    if cuda:
+        references["compile"] = torch.compile(moda_attention_reference, dynamic=False)
+    fla = _fla_attention() if cuda else None
+
+    out = []
+    for shape in shapes(smoke or not cuda):
+        label, make = _label(shape), _inputs(shape, device)
+        candidates = {"sdpa": _plain(causal_sdpa), **ours}
+        if shape.t <= REFERENCE_MAX_T:
+            candidates.update(references)
+        out.append(Case("moda_attention", f"moda {label}", make, candidates, baseline="sdpa"))
+        if fla is not None:
+            out.append(Case("moda_attention", f"moda/fla {label}", make,
+                            {"fla": _plain(fla), **ours}, baseline="fla"))
+    return out
