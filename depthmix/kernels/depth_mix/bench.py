@@ -89,8 +89,6 @@ def cases(smoke: bool) -> list:
         from depthmix.kernels.depth_mix.function import fused_depth_mix
 
         mixes = {"ours": fused_depth_mix, **mixes}
-    if cuda:
-        mixes["compile"] = torch.compile(depth_mix, dynamic=False)
     attentions = {"sdpa": causal_sdpa}
     fla = _fla_attention() if cuda else None
     if fla is not None:
@@ -103,6 +101,11 @@ def cases(smoke: bool) -> list:
                   for t in (4096, 16384, 65536) for g in (1, 4, 8)]
 
     out = []
+    if cuda:
+        # 9 static shapes of one function exceed Dynamo's default limit of 8 recompiles,
+        # after which it silently runs eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        mixes["compile"] = torch.compile(depth_mix, dynamic=False)
     for t, heads, g, hd, dtype in shapes:
         label = f"T{t}-G{g}-hd{hd}" + (f"-np{heads}-fp32" if dtype == torch.float32 else "")
         make = _inputs(t, heads, g, hd, NUM_SOURCES, dtype, device)
