@@ -165,15 +165,57 @@ def gather_full(model, which: str = "grad") -> dict:
     return merged
 
 
-def _layout_worker(rank: int, world_size: int, port: int, runs: list, steps: int,
-                   out_path: str, mode: str) -> None:
+def spawn(target, world_size: int, args=(), timeout: float = 600.0, env=None) -> list:
+    """Run ``target(*args)`` in ``world_size`` spawned processes with the torch.distributed
+    environment set (gloo on CPU); returns each rank's return value. Fails on a timeout or
+    on any rank's crash. ``target`` must be importable (a module-level function)."""
+    import multiprocessing as mp
+    import tempfile
+    import time
+
+    ctx = mp.get_context(os.environ.get("DEPTHMIX_MP_START", "spawn"))
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [ctx.Process(target=_rank_entry,
+                             args=(r, world_size, port, env or {}, target, args, out))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            if any(p.is_alive() for p in procs):
+                raise TimeoutError(f"rank processes still running after {timeout:.0f}s")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        codes = [p.exitcode for p in procs]
+        if any(codes):
+            raise RuntimeError(f"rank processes failed with exit codes {codes}")
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False)
+                for r in range(world_size)]
+
+
+def _rank_entry(rank, world_size, port, env, target, args, out_dir) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      **env)
     torch.set_num_threads(1)
+    from depthmix.pretrain.parallelize import destroy_distributed
+
+    result = target(*args)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    destroy_distributed()
+
+
+def _train_runs(runs: list, steps: int, mode: str) -> list:
+    """One rank of :func:`run_layouts`: the runs one after the other in this process group."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from depthmix.pretrain.parallelize import destroy_distributed, unwrap
+    from depthmix.pretrain.parallelize import unwrap
     from depthmix.pretrain.trainer import Trainer
 
     results = []
@@ -189,16 +231,14 @@ def _layout_worker(rank: int, world_size: int, port: int, runs: list, steps: int
                     result["grads"] = gather_full(model, "grad")
             result["losses"].append(trainer.train_one_step(after_backward=hook).loss)
         sent = {unwrap(m).chunk: unwrap(m).transport.bytes_sent for m in trainer.model}
-        everyone = [None] * world_size
+        everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sent if parallel_state.get_tensor_model_parallel_rank()
                                == 0 and parallel_state.get_data_parallel_rank() == 0 else {})
         result["bytes_sent"] = {k: v for part in everyone for k, v in part.items()}
         results.append(result)
         del trainer
         parallel_state.destroy_model_parallel()
-    if rank == 0:
-        torch.save(results, out_path)
-    destroy_distributed()
+    return results if dist.get_rank() == 0 else None
 
 
 class _DataForRank:
@@ -231,33 +271,7 @@ def run_layouts(runs: list, world_size: int, steps: int = 3, timeout: float = 60
     Returns, per run: ``losses`` per step, ``grads`` (full, by global name, after step 1's
     backward, before the optimizer), ``init_params``, and payload ``bytes_sent`` per chunk.
     """
-    import multiprocessing as mp
-    import tempfile
-    import time
-
-    ctx = mp.get_context(os.environ.get("DEPTHMIX_MP_START", "spawn"))
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pt")
-        procs = [ctx.Process(target=_layout_worker,
-                             args=(r, world_size, port, runs, steps, out, mode))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-            if any(p.is_alive() for p in procs):
-                raise TimeoutError(f"rank processes still running after {timeout:.0f}s")
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-        codes = [p.exitcode for p in procs]
-        if any(codes):
-            raise RuntimeError(f"rank processes failed with exit codes {codes}")
-        return torch.load(out, weights_only=False)
+    return spawn(_train_runs, world_size, (runs, steps, mode), timeout=timeout)[0]
 
 
 def run_layout(run: RunConfig, world_size: int, steps: int = 3, **kwargs) -> dict:

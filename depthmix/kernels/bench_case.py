@@ -1,9 +1,10 @@
-"""The unit ``tools/bench_kernels.py`` times: one shape of one op, several candidates."""
+"""The unit ``tools/bench_kernels.py`` times (one shape of one op, several candidates) and
+the public plain-attention baseline the attention-shaped ops compare with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 
 @dataclass
@@ -18,3 +19,18 @@ class Case:
     baseline: str = "torch"
     """The candidate the ratio column divides by (e.g. plain attention for "attention +
     depth mix" cases)."""
+
+
+def fla_causal_attention() -> Optional[Callable]:
+    """fla-core's ``parallel_attn`` with ``causal_sdpa``'s layout (``[s, b, h, d]`` in,
+    ``[s, b, h * d]`` out), or None when fla-core is not importable (it is GPU-only)."""
+    try:
+        from fla.ops.attn import parallel_attn
+    except Exception:
+        return None
+
+    def attention(query, key, value):
+        out = parallel_attn(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
+        return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    return attention

@@ -105,7 +105,7 @@ def check_read(case, x_dtype, act_tol, coef_tol):
 
 
 def check_post_res(case, x_dtype, act_tol, coef_tol):
-    variant, n = case[0], case[1]
+    variant = case[0]
     x, phi, alpha, bias, y = make_inputs(*case, x_dtype=x_dtype)
     with torch.no_grad():
         _, _, h_post, h_res = mhc_read(x, phi, alpha, bias, variant, 4)

@@ -9,58 +9,21 @@ import os
 import random
 import subprocess
 import sys
-import time
 
 import numpy as np
 import torch
 
 from depthmix.pretrain.callbacks import Callback
-from depthmix.testing import SyntheticData, free_port, tiny_run
+from depthmix import testing
+from depthmix.testing import SyntheticData, tiny_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON = sys.executable
 
 
-def _entry(rank, world_size, port, target, args, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      WANDB_SILENT="true")
-    torch.set_num_threads(1)
-    from depthmix.pretrain.parallelize import destroy_distributed
-
-    result = target(*args)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    destroy_distributed()
-
-
 def spawn(target, world_size: int, args=(), timeout: float = 240.0) -> list:
-    """Run ``target(*args)`` in ``world_size`` spawned processes (env set for
-    torch.distributed); returns each rank's return value. Fails on a timeout or a crash."""
-    import multiprocessing as mp
-    import tempfile
-
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, target, args, out))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-            if any(p.is_alive() for p in procs):
-                raise TimeoutError(f"rank processes still running after {timeout:.0f}s")
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-        codes = [p.exitcode for p in procs]
-        if any(codes):
-            raise RuntimeError(f"rank processes failed with exit codes {codes}")
-        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False)
-                for r in range(world_size)]
+    """:func:`depthmix.testing.spawn` with W&B kept quiet."""
+    return testing.spawn(target, world_size, args, timeout, env={"WANDB_SILENT": "true"})
 
 
 def rng_draws() -> tuple:

@@ -23,7 +23,7 @@ from typing import Callable, Dict
 
 import torch
 
-from depthmix.kernels.bench_case import Case
+from depthmix.kernels.bench_case import Case, fla_causal_attention
 from depthmix.kernels.depth_mix.reference import depth_mix
 from depthmix.kernels.dispatch import triton_status
 from depthmix.megatron_ext.attention import causal_sdpa
@@ -68,19 +68,6 @@ def _plain(attention: Callable) -> Callable:
     return run
 
 
-def _fla_attention():
-    try:
-        from fla.ops.attn import parallel_attn
-    except Exception:  # fla-core is optional and GPU-only
-        return None
-
-    def attention(query, key, value):  # [s, b, h, d] -> fla's [b, s, h, d]
-        out = parallel_attn(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
-        return out.transpose(0, 1)
-
-    return attention
-
-
 def cases(smoke: bool) -> list:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -90,7 +77,7 @@ def cases(smoke: bool) -> list:
 
         mixes = {"ours": fused_depth_mix, **mixes}
     attentions = {"sdpa": causal_sdpa}
-    fla = _fla_attention() if cuda else None
+    fla = fla_causal_attention() if cuda else None
     if fla is not None:
         attentions["fla"] = fla
 

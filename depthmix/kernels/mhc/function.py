@@ -115,7 +115,7 @@ def fused_mhc_post_res(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor,
     ``h_res [..., n, n]`` or None (identity) -> ``[..., n, h]`` in x.dtype (fp32 arithmetic
     for fp32/bf16, fp64 for fp64 coefficients).
     """
-    lead, (n, h) = x.shape[:-2], x.shape[-2:]
+    n, h = x.shape[-2:]
     out = MHCPostResFunction.apply(
         x.reshape(-1, n, h), y.reshape(-1, h), h_post.reshape(-1, n),
         None if h_res is None else h_res.reshape(-1, n, n))

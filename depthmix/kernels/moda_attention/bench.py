@@ -35,7 +35,7 @@ from typing import Callable, Dict, NamedTuple
 
 import torch
 
-from depthmix.kernels.bench_case import Case
+from depthmix.kernels.bench_case import Case, fla_causal_attention
 from depthmix.kernels.dispatch import triton_status
 from depthmix.kernels.moda_attention.reference import moda_attention_reference
 from depthmix.megatron_ext.attention import causal_sdpa
@@ -92,19 +92,6 @@ def _plain(attention: Callable) -> Callable:
     return run
 
 
-def _fla_attention():
-    try:
-        from fla.ops.attn import parallel_attn
-    except Exception:  # fla-core is optional and GPU-only
-        return None
-
-    def attention(query, key, value):  # [s, b, h, d] -> fla's [b, s, h, d] and back
-        out = parallel_attn(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1))
-        return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
-
-    return attention
-
-
 def _label(shape: Shape) -> str:
     label = f"T{shape.t}-G{shape.g}-hd{shape.head_dim}-D{shape.depth}"
     return label + (f"-np{shape.heads}-fp32" if shape.dtype == torch.float32 else "")
@@ -121,7 +108,7 @@ def cases(smoke: bool) -> list:
     references: Dict[str, Callable] = {"torch": moda_attention_reference}
     if cuda:
         references["compile"] = torch.compile(moda_attention_reference, dynamic=False)
-    fla = _fla_attention() if cuda else None
+    fla = fla_causal_attention() if cuda else None
 
     out = []
     for shape in shapes(smoke or not cuda):
