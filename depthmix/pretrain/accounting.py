@@ -2,7 +2,7 @@
 
 FLOPs per token (2 FLOPs per multiply-add; ``L`` = unrolled layers = ``num_layers *
 n_loops``, ``h`` hidden, ``f`` FFN, ``H``/``H_kv`` query/KV heads, ``d_h`` head dim,
-``s`` sequence length, ``V`` padded vocabulary)::
+``s`` sequence length, ``V`` padded vocabulary, ``w`` = ``mixer.short_swa_window``)::
 
     forward  = 2 * L * [ h*(H + 2*H_kv)*d_h      QKV projection
                        + H*d_h*h                 output projection
@@ -10,12 +10,22 @@ n_loops``, ``h`` hidden, ``f`` FFN, ``H``/``H_kv`` query/KV heads, ``d_h`` head 
              + 4 * L * s * H * d_h               attention scores QK^T and A.V
              + 2 * h * V                         LM head
              + mixer.extra_flops_per_token       the method's own work (its hook)
+             + L * [ 2*h*(H + 2*H_kv)*d_h        ShortSWA, any mixer, when w > 0:
+                   + 2*H*d_h*h                   its projections
+                   + 4*min(w, s)*H*d_h ]         and its window's scores and A.V
     training = 3 * forward                       (backward = 2 x forward)
 
 The attention term counts every (query, key) pair of the sequence, not only the causal
 half: the convention of PaLM's MFU (``6N + 12*L*H*d_h*s``), Megatron-LM and torchtitan, so
-our TFLOP/s and MFU compare with theirs. The embedding lookup and norms are not counted;
-neither is activation recomputation (this is model FLOPs utilisation, not hardware).
+our TFLOP/s and MFU compare with theirs; ShortSWA likewise counts ``min(w, s)`` keys per
+query. The embedding lookup and norms are not counted; neither is activation recomputation
+(this is model FLOPs utilisation, not hardware). Each mixer's hook documents its closed
+form in its docstring (``depthmix/megatron_ext/mixers/<method>.py``).
+
+Parameters: the vanilla layer (:func:`layer_params`), embedding, final norm and output
+layer, plus ShortSWA's sublayer (:func:`short_swa_layer_params`) and what the mixer's
+``extra_params(config, tp)`` hook reports per stored layer, next to the embedding (stem)
+and next to the output layer (head); the dry run puts each on its pipeline stage.
 
 MFU = (training FLOPs per token x tokens/s) / (world size x peak FLOP/s of one device),
 with the peak from :data:`PEAK_TFLOPS` (dense, no sparsity) or ``train.peak_tflops``.
@@ -76,6 +86,7 @@ class Shape:
     seq: int
     vocab: int  # padded
     qk_norm: bool
+    swa_window: int = 0  # mixer.short_swa_window (0: no ShortSWA sublayer)
 
     @classmethod
     def of(cls, run: RunConfig) -> "Shape":
@@ -90,6 +101,7 @@ class Shape:
             seq=m.seq_length,
             vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
             qk_norm=m.qk_layernorm,
+            swa_window=run.mixer.short_swa_window if run.mixer is not None else 0,
         )
 
 
@@ -105,6 +117,17 @@ def _megatron_config(run: RunConfig):
     return to_transformer_config(run)
 
 
+def short_swa_flops_per_token(x: Shape) -> int:
+    """ShortSWA's forward FLOPs per token, whole model (0 without it): per unrolled layer
+    its QKV and output projections (as the layer's attention) and ``4 min(w, s) H d_h``
+    for the window's scores and weighted values. Its RMSNorm is not counted."""
+    if x.swa_window <= 0:
+        return 0
+    h, dh = x.hidden, x.head_dim
+    return x.layers * (2 * h * (x.heads + 2 * x.kv_heads) * dh + 2 * x.heads * dh * h
+                       + 4 * min(x.swa_window, x.seq) * x.heads * dh)
+
+
 def flops_per_token(run: RunConfig, config=None) -> Dict[str, float]:
     """Forward FLOPs per token by part, and ``train`` = 3 x their sum (see module doc)."""
     x = Shape.of(run)
@@ -115,9 +138,10 @@ def flops_per_token(run: RunConfig, config=None) -> Dict[str, float]:
     head = 2 * h * x.vocab
     hook = _mixer(run).extra_flops_per_token
     mixer = float(hook(config if config is not None else _megatron_config(run)))
-    forward = linear + attention + head + mixer
+    swa = float(short_swa_flops_per_token(x))
+    forward = linear + attention + head + mixer + swa
     return {"linear": float(linear), "attention": float(attention), "head": float(head),
-            "mixer": mixer, "forward": float(forward), "train": 3.0 * forward}
+            "mixer": mixer, "short_swa": swa, "forward": float(forward), "train": 3.0 * forward}
 
 
 @dataclass
@@ -175,6 +199,26 @@ def layer_params(x: Shape, tp: int) -> Dict[str, int]:
     sharded = h * (x.heads + 2 * x.kv_heads) * dh + x.heads * dh * h + 3 * h * x.ffn
     replicated = 2 * h + (2 * dh if x.qk_norm else 0)
     return {"sharded": sharded // tp, "replicated": replicated}
+
+
+def short_swa_layer_params(x: Shape, tp: int) -> int:
+    """ShortSWA's parameters in one decoder layer on one TP rank (0 without it): QKV and
+    output projections (split over TP), its RMSNorm ``h`` and QK-norm ``2 d_h``."""
+    if x.swa_window <= 0:
+        return 0
+    h, dh = x.hidden, x.head_dim
+    sharded = h * (x.heads + 2 * x.kv_heads) * dh + x.heads * dh * h
+    return sharded // tp + h + (2 * dh if x.qk_norm else 0)
+
+
+def _stored_layer_params(x: Shape, tp: int, extra) -> List[int]:
+    """Parameters of each stored layer on one TP rank: vanilla + ShortSWA + the mixer's."""
+    if extra.layers and len(extra.layers) != x.stored_layers:
+        raise ValueError(f"the mixer's extra_params gives {len(extra.layers)} layers for a "
+                         f"model of {x.stored_layers} stored layers")
+    per_layer = layer_params(x, tp)
+    base = per_layer["sharded"] + per_layer["replicated"] + short_swa_layer_params(x, tp)
+    return [base + extra.layer(i) for i in range(x.stored_layers)]
 
 
 @dataclass
@@ -235,10 +279,9 @@ def estimate(run: RunConfig, world_size: int) -> List[RankEstimate]:
     tp, pp, vp = p.tp, p.pp, p.vp or 1
     dp = data_parallel_size(run, world_size)
     config = _megatron_config(run)
-    mixer = _mixer(run)
-    extra_per_layer = int(mixer.extra_params_per_layer(config))
+    extra = _mixer(run).extra_params(config, tp)
     layout = PipelineLayout(x.stored_layers, pp, vp)
-    per_layer = layer_params(x, tp)
+    per_layer = _stored_layer_params(x, tp, extra)
     act_bytes = 4 if t.precision == "fp32" else 2
     act = activation_elems_per_token(x, tp, p.sequence_parallel)
     tokens_per_micro = t.micro_batch_size * x.seq
@@ -255,12 +298,11 @@ def estimate(run: RunConfig, world_size: int) -> List[RankEstimate]:
             first, last = c == 0, c == layout.num_chunks - 1
             head_here |= last
             layers = layout.layers(c)
-            n = len(layers)
-            params += n * (per_layer["sharded"] + per_layer["replicated"] + extra_per_layer)
+            params += sum(per_layer[i] for i in layers)
             if first:
-                params += x.vocab * x.hidden // tp
+                params += x.vocab * x.hidden // tp + extra.stem
             if last:
-                params += x.vocab * x.hidden // tp + x.hidden
+                params += x.vocab * x.hidden // tp + x.hidden + extra.head
             elif geometry is not None:
                 payload = max(payload, geometry.payload_bytes(c + 1, t.micro_batch_size,
                                                               act_bytes))
@@ -301,9 +343,8 @@ def _geometry(run: RunConfig, config, layout):
 def total_params(run: RunConfig) -> int:
     """All parameters of the model (unsharded, counted once)."""
     x = Shape.of(run)
-    per_layer = layer_params(x, 1)
-    extra = int(_mixer(run).extra_params_per_layer(_megatron_config(run)))
-    return (x.stored_layers * (per_layer["sharded"] + per_layer["replicated"] + extra)
+    extra = _mixer(run).extra_params(_megatron_config(run), 1)
+    return (sum(_stored_layer_params(x, 1, extra)) + extra.stem + extra.head
             + 2 * x.vocab * x.hidden + x.hidden)
 
 

@@ -84,9 +84,13 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
       f"optimizer: {acc.bytes_per_param(run, dp):.2f} ({t.precision}"
       f"{', distributed optimizer' if p.distributed_optimizer else ''})\n")
     flops = acc.flops_per_token(run)
+    vanilla = flops["linear"] + flops["attention"] + flops["head"]
+    swa = f" + short_swa {acc.human(flops['short_swa'])}" if flops["short_swa"] else ""
+    extra = flops["mixer"] + flops["short_swa"]
     w(f"training FLOPs per token: {acc.human(flops['train'])} (3 x forward; forward = linear "
       f"{acc.human(flops['linear'])} + attention {acc.human(flops['attention'])} + head "
-      f"{acc.human(flops['head'])} + mixer {acc.human(flops['mixer'])})\n")
+      f"{acc.human(flops['head'])} + mixer {acc.human(flops['mixer'])}{swa}; "
+      f"+{100 * extra / vanilla:.2f}% over vanilla)\n")
     w("Estimates exclude the CUDA context, communication buffers, fragmentation and "
       "mixer-specific saved activations beyond the depth state.\n")
 

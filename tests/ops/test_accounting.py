@@ -1,7 +1,9 @@
 """FLOPs per token against torch's FLOP counter on the real model, parameter counts against
-the built model, the peak-FLOP table, MFU arithmetic and the pipeline in-flight formula."""
+the built model (whole and per pipeline stage and TP rank, every mixer), the peak-FLOP
+table, MFU arithmetic and the pipeline in-flight formula."""
 
 import types
+from functools import lru_cache
 
 import pytest
 import torch
@@ -46,13 +48,16 @@ def test_mixer_hook_is_added(monkeypatch):
     from depthmix.megatron_ext.mixers import base, get_mixer
 
     run = tiny_run()
-    plain = acc.flops_per_token(run)
+    plain, plain_params = acc.flops_per_token(run), acc.total_params(run)
     vanilla = get_mixer("vanilla")
     patched = base.Mixer(vanilla.name, vanilla.config_cls, vanilla.model_spec, vanilla.plan,
-                         extra_flops_per_token=lambda config: 1000.0 * config.num_layers)
+                         extra_flops_per_token=lambda config: 1000.0 * config.num_layers,
+                         extra_params=lambda config, tp=1: base.ExtraParams(
+                             layers=tuple(range(config.num_layers)), stem=7, head=11))
     monkeypatch.setattr(acc, "_mixer", lambda run: patched)
     f = acc.flops_per_token(run)
     assert f["mixer"] == 4000.0 and f["train"] == plain["train"] + 3 * 4000.0
+    assert acc.total_params(run) == plain_params + (0 + 1 + 2 + 3) + 7 + 11
 
 
 def test_parameter_count_matches_the_model(megatron_single):
@@ -88,3 +93,214 @@ def test_inflight_microbatches():
     assert acc.inflight_microbatches(4, 1, 0, 2) == 2
     # interleaved (Megatron's warm-up count + 1)
     assert acc.inflight_microbatches(4, 2, 0, 32) == (4 - 1) * 2 + 4 + 1
+
+
+# ---------------------------------------------------------------------------------------
+# Every mixer: parameters and FLOPs against the built model
+# ---------------------------------------------------------------------------------------
+
+# id -> (mixer, options, (num_layers, n_loops)); tiny_run's model otherwise (4 layers, h 64,
+# 4 heads, 2 KV groups, d_h 16, s 16).
+VARIANTS = {
+    "vanilla": ("vanilla", {}, (4, 1)),
+    "vanilla-swa": ("vanilla", {"short_swa_window": 4}, (4, 1)),
+    "depth_attn": ("depth_attn", {}, (4, 1)),
+    "depth_attn-s1-kv": ("depth_attn", {"stride": 1, "mixed_state": "key_value"}, (4, 1)),
+    "depth_attn-uniform-rel": ("depth_attn", {"stride": 1, "mix_rule": "uniform",
+                                              "source_mode": "relative"}, (4, 1)),
+    "depth_attn-looped": ("depth_attn", {"stride": 1}, (2, 2)),
+    "moda": ("moda", {}, (4, 1)),
+    "moda-attn_kv_proj": ("moda", {"attn_kv_proj": True}, (4, 1)),
+    "moda-reuse-window": ("moda", {"ffn_kv_proj": False, "depth_window": 2}, (4, 1)),
+    "moda-looped-window-swa": ("moda", {"attn_kv_proj": True, "depth_window": 3,
+                                        "short_swa_window": 2}, (2, 2)),
+    "attnres_full": ("attnres_full", {}, (4, 1)),
+    "attnres_block": ("attnres_block", {"block_size": 2}, (4, 1)),
+    "attnres_block-looped-swa": ("attnres_block", {"block_size": 4, "short_swa_window": 3},
+                                 (2, 2)),
+    "denseformer": ("denseformer", {}, (4, 1)),
+    "denseformer-2x2": ("denseformer", {"dilation": 2, "period": 2}, (4, 1)),
+    "denseformer-looped": ("denseformer", {"period": 2}, (2, 2)),
+    "mhc": ("mhc", {}, (4, 1)),
+    "hc-3streams": ("mhc", {"variant": "hc", "streams": 3}, (4, 1)),
+    "mhc-identity-swa": ("mhc", {"variant": "identity", "short_swa_window": 5}, (4, 1)),
+    "ddl": ("ddl", {}, (4, 1)),
+    "ddl-dv2-looped": ("ddl", {"value_channels": 2}, (2, 2)),
+}
+
+
+def test_every_mixer_has_variants():
+    from depthmix.megatron_ext.mixers import available
+
+    assert {name for name, _, _ in VARIANTS.values()} == set(available())
+
+
+def variant_run(variant: str, mixer=None):
+    """The variant's run; ``mixer="vanilla"``: the same model without the mixer."""
+    name, options, (layers, loops) = VARIANTS[variant]
+    run = tiny_run(name, **options) if mixer is None else tiny_run(mixer)
+    run.model.num_layers, run.model.n_loops = layers, loops
+    return run
+
+
+@lru_cache(maxsize=None)
+def built(variant: str, mixer=None):
+    torch.manual_seed(0)
+    return build_model(variant_run(variant, mixer))
+
+
+def _stage_params(run, model, tp: int, pp: int, vp: int):
+    """The built (TP=PP=1) model's parameters, grouped as a PP=pp, VP=vp layout places
+    them, counted as one rank of TP=tp holds them (``tensor_model_parallel`` ones split)."""
+    from depthmix.megatron_ext.layout import PipelineLayout
+
+    layout = PipelineLayout(run.model.num_layers, pp, vp)
+    stage_of_layer = {i: layout.rank_of(c) for c in range(layout.num_chunks)
+                      for i in layout.layers(c)}
+    first, last = layout.rank_of(0), layout.rank_of(layout.num_chunks - 1)
+    out = [0] * pp
+    for name, p in model.named_parameters():
+        n = p.numel() // tp if getattr(p, "tensor_model_parallel", False) else p.numel()
+        top = name.split(".")[0]
+        if name.startswith("decoder.layers."):
+            out[stage_of_layer[int(name.split(".")[2])]] += n
+        elif top in ("embedding", "stem"):
+            out[first] += n
+        elif top in ("head", "final_layernorm", "output_layer"):
+            out[last] += n
+        else:
+            raise AssertionError(f"{name}: which pipeline stage holds it?")
+    return out
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parameter_count_matches_every_mixer(megatron_single, variant):
+    """The accounting's total equals the built model's parameters, and its per-stage,
+    per-TP-rank estimate equals the built model's parameters grouped by stage (a mixer's
+    per-layer parameters, stem and head attributed to the right stage)."""
+    run = variant_run(variant)
+    model = built(variant)
+    assert acc.total_params(run) == sum(p.numel() for p in model.parameters())
+    layers = run.model.num_layers
+    for tp, pp, vp in ((1, 1, 1), (2, 2, 1), (2, 2, layers // 2)):
+        run.parallel.tp, run.parallel.pp, run.parallel.vp = tp, pp, vp if vp > 1 else None
+        estimate = acc.estimate(run, world_size=tp * pp)
+        assert [e.params for e in estimate] == _stage_params(run, model, tp, pp, vp), (tp, pp, vp)
+
+
+# What FlopCounterMode (matmul-like aten ops; SDPA is invisible on CPU) cannot see of each
+# mixer's reference (torch) implementation, per token; it is checked another way:
+# * depth_attn, attnres: all of it (per-token dot products and weighted sums written
+#   elementwise, or matrix-vector). Their hooks are checked against a count of the depth
+#   op calls the forward actually makes (``_record_depth_ops``: sources per call);
+# * ddl: all but the value projection ``W_v x_in`` (a matmul), by hand: per sublayer the read
+#   ``X r`` (mv) 2 h d_v, the gate dot 2 h, ``k^T X`` and the update (elementwise) 4 h d_v;
+#   the readout 2 h d_v;
+# * mhc: the post ``H_post^T y`` (elementwise outer product) 2 n h per sublayer and the
+#   head's mean over the streams 2 n h;
+# * ShortSWA: the window attention (SDPA) 4 min(w, s) H d_h per layer.
+# Conversely, MoDA's reference attention computes the layer's sequence attention as
+# einsums where a layer has depth entries: the vanilla attention term of those layers,
+# which the counter sees on top of the mixer's own work.
+
+
+def _record_depth_ops(model):
+    """Wrap the depth ops of Depth-Attention and AttnRes; returns the list that collects
+    each call's forward FLOPs per token, from the call's actual arguments."""
+    from depthmix.megatron_ext.mixers.attnres import PseudoQueryRead
+    from depthmix.megatron_ext.mixers.depth_attn import DepthAttention
+
+    calls = []
+
+    def depth_attn(op):
+        def wrapped(query, key, value, src_keys, src_values, *, mix_rule, mixed_state):
+            n = len(src_values if src_values is not None else src_keys)
+            np_, ng, hn = query.shape[2], key.shape[2], key.shape[3]
+            mixed = {"value": 1, "key": 1, "key_value": 2}[mixed_state]
+            if n:
+                scores = 2 * (n + 1) * ng * hn + (np_ * hn if np_ > ng else 0)
+                calls.append((scores if mix_rule == "softmax" else 0)
+                             + mixed * 2 * (n + 1) * ng * hn)
+            return op(query, key, value, src_keys, src_values, mix_rule=mix_rule,
+                      mixed_state=mixed_state)
+        return wrapped
+
+    def attnres(op):
+        def wrapped(sources, *args, **kwargs):
+            calls.append(4 * len(sources) * sources[0].shape[-1])  # logits + weighted sum
+            return op(sources, *args, **kwargs)
+        return wrapped
+
+    for module in model.modules():
+        if isinstance(module, DepthAttention):
+            module.depth_mix = depth_attn(module.depth_mix)
+        elif isinstance(module, PseudoQueryRead):
+            module.attnres = attnres(module.attnres)
+    return calls
+
+
+def _counted_per_token(model, run) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    b, s = 2, run.model.seq_length
+    ids = torch.randint(0, run.model.vocab_size, (b, s),
+                        generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(ids)
+    return counter.get_total_flops() / (b * s)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_mixer_flops_match_the_model(megatron_single, variant):
+    from depthmix.config.megatron import to_transformer_config
+    from depthmix.megatron_ext.mixers.moda import MoDAGeometry
+
+    run = variant_run(variant)
+    name, options, _ = VARIANTS[variant]
+    config = to_transformer_config(run)
+    m = run.model
+    h, s, heads = m.hidden_size, m.seq_length, m.num_attention_heads
+    dh, L = h // heads, m.num_layers * m.n_loops
+    model = built(variant)
+    calls = _record_depth_ops(model)
+    counted = _counted_per_token(model, run) - _counted_per_token(built(variant, "vanilla"), run)
+    f = acc.flops_per_token(run)
+
+    unseen = sum(calls)  # depth_attn, attnres
+    if name == "ddl":
+        dv = run.mixer.value_channels
+        unseen += 2 * L * (2 * h * dv + 2 * h + 4 * h * dv) + 2 * h * dv
+    elif name == "mhc":
+        unseen += 2 * L * 2 * run.mixer.streams * h + 2 * run.mixer.streams * h
+    window = run.mixer.short_swa_window
+    if window:
+        unseen += L * 4 * min(window, s) * heads * dh
+    seen_besides = 0
+    if name == "moda":
+        geo = MoDAGeometry.from_config(config)
+        seen_besides = 4 * s * heads * dh * sum(1 for u in range(L) if geo.visible(u))
+        # with a single depth entry, einsum contracts the weighted depth values over a
+        # size-1 axis as a broadcast multiply: invisible, 2 H d_h
+        unseen += 2 * heads * dh * sum(1 for u in range(L) if len(geo.visible(u)) == 1)
+    assert counted + unseen - seen_besides == f["mixer"] + f["short_swa"]
+    if name in ("depth_attn", "attnres_full", "attnres_block"):
+        assert len(calls) > 0
+    assert (f["mixer"] > 0) == (name != "vanilla")
+    assert (f["short_swa"] > 0) == (window > 0)
+
+
+def test_every_mixer_adds_flops_and_params_at_3b():
+    """The hooks are wired for every registered mixer (the 3b preset, no model built)."""
+    from depthmix.config.load import compose_run
+    from depthmix.megatron_ext.mixers import available
+
+    vanilla = acc.total_params(compose_run("model=3b"))
+    for name in available():
+        run = compose_run("model=3b", f"mixer={name}")
+        f = acc.flops_per_token(run)
+        extra = acc.total_params(run) - vanilla
+        if name == "vanilla":
+            assert f["mixer"] == 0 and extra == 0
+        else:
+            assert f["mixer"] > 0, name
+            assert extra > 0 or name == "depth_attn", name

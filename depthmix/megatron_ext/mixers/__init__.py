@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 from depthmix.config.schema import ConfigError
-from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig
+from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig
 
 MIXER_MODULES = {
     "vanilla": "vanilla",
@@ -34,4 +34,4 @@ def get_mixer(name: str) -> Mixer:
     return module.MIXERS[name] if hasattr(module, "MIXERS") else module.MIXER
 
 
-__all__ = ["Mixer", "MixerConfig", "available", "get_mixer"]
+__all__ = ["ExtraParams", "Mixer", "MixerConfig", "available", "get_mixer"]

@@ -40,7 +40,7 @@ from depthmix.kernels.attnres import attnres_op
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import STEM, DepthState, Entry
 from depthmix.megatron_ext.layer import ResidualOp
-from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig
+from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig
 from depthmix.megatron_ext.model import StateHead, StateStem
 from depthmix.megatron_ext.norm import RMSNorm
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
@@ -273,8 +273,33 @@ def get_attnres_model_spec(config):
     return get_model_submodules(config, layer, stem=AttnResStem, head=AttnResHead)
 
 
+def extra_flops_per_token(config) -> int:
+    """Forward FLOPs per token added to a vanilla decoder (whole model, ``d`` hidden)::
+
+        sum over the N + 1 reads i (every sublayer, then the head) of 4 d S_i
+
+    with ``S_i = len(sources(i))``: the logits ``w . RMSNorm(v_s)`` (``2d`` per source) and
+    the weighted sum of the sources (``2d`` per source). Full: ``S_i = i``, so
+    ``2d (N + 1)(N + 2)``; Block (``m`` per block): ``S_i`` = completed blocks plus the
+    partial sum when ``i`` is not first in its block. Left out: the key RMSNorm (``~4d``
+    per source in the reference, ``O(d)`` per source with a shared-RMS kernel), the
+    softmax, and the block partial sums' adds (the residual adds AttnRes replaces).
+    """
+    geo = AttnResGeometry.from_config(config)
+    return 4 * config.hidden_size * sum(len(geo.sources(i)) for i in range(1, geo.head + 1))
+
+
+def extra_params(config, tp: int = 1) -> ExtraParams:
+    """A read's pseudo-query ``w`` and key-norm gain, ``2d`` (replicated): two reads per
+    stored layer (attention, MLP; shared by a looped layer's loops), one in the head."""
+    d = config.hidden_size
+    return ExtraParams(layers=(2 * 2 * d,) * config.num_layers, head=2 * d)
+
+
 MIXER_FULL = Mixer(name="attnres_full", config_cls=AttnResConfig,
-                   model_spec=get_attnres_model_spec, plan=attnres_plan)
+                   model_spec=get_attnres_model_spec, plan=attnres_plan,
+                   extra_flops_per_token=extra_flops_per_token, extra_params=extra_params)
 MIXER_BLOCK = Mixer(name="attnres_block", config_cls=BlockAttnResConfig,
-                    model_spec=get_attnres_model_spec, plan=attnres_plan)
+                    model_spec=get_attnres_model_spec, plan=attnres_plan,
+                    extra_flops_per_token=extra_flops_per_token, extra_params=extra_params)
 MIXERS = {m.name: m for m in (MIXER_FULL, MIXER_BLOCK)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, List, Tuple
 
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.depth_state import STEM, Entry
@@ -35,6 +35,30 @@ class MixerConfig:
 
 
 @dataclass(frozen=True)
+class ExtraParams:
+    """Parameters a mixer adds to the vanilla model (on one TP rank, see ``Mixer.extra_params``)."""
+
+    layers: Tuple[int, ...] = ()
+    """One count per *stored* layer (``config.num_layers`` of them, 0-based; the pipeline
+    layout puts stored layer ``i`` on its stage; a looped model's stored layer holds what
+    all its loops use). Empty: no per-layer parameters."""
+    stem: int = 0
+    """Next to the embedding (the first pipeline stage)."""
+    head: int = 0
+    """Next to the final norm and output layer (the last pipeline stage)."""
+
+    def layer(self, i: int) -> int:
+        return self.layers[i] if self.layers else 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.layers) + self.stem + self.head
+
+
+NO_EXTRA_PARAMS = ExtraParams()
+
+
+@dataclass(frozen=True)
 class Mixer:
     """A registered depth-mixing method."""
 
@@ -46,13 +70,20 @@ class Mixer:
     """``(DepthMixConfig, tp_size) -> list[Entry]``: the depth state over unrolled layers."""
     extra_flops_per_token: Callable = lambda config: 0.0
     """``(DepthMixConfig) -> float``: *forward* FLOPs per token the method adds to the
-    vanilla decoder, summed over the whole model (all unrolled layers, ShortSWA included);
-    2 FLOPs per multiply-add. Training accounting counts 3x (forward + backward); see
-    ``depthmix.pretrain.accounting``. Used for the logged TFLOP/s and MFU."""
-    extra_params_per_layer: Callable = lambda config: 0
-    """``(DepthMixConfig) -> int``: parameters the method adds per layer (full, unsharded;
-    the dry run's memory estimate counts them on the layer's pipeline rank, replicated
-    over TP)."""
+    vanilla decoder, summed over the whole model (all unrolled layers, the stem and the
+    head); 2 FLOPs per multiply-add. Counts matmul-like work: projections, depth scores,
+    weighted sums over depth sources and per-token coefficient projections (also where
+    the reference code writes them elementwise); norms, softmaxes, activations and plain
+    residual adds are left out, as the vanilla formula leaves out its own. ShortSWA
+    (``mixer.short_swa_window``) is *not* included: the accounting adds it once, for every
+    mixer. Each hook documents its closed form. Training accounting counts 3x (forward +
+    backward); see ``depthmix.pretrain.accounting``. Used for the logged TFLOP/s and MFU."""
+    extra_params: Callable = lambda config, tp=1: NO_EXTRA_PARAMS
+    """``(DepthMixConfig, tp) -> ExtraParams``: parameters the method adds to the vanilla
+    model, as one tensor-parallel rank of ``tp`` holds them (TP-sharded ones divided by
+    ``tp``, replicated ones whole; ``tp = 1`` is the whole model), per stored layer and
+    on the stem/head. ShortSWA is not included (the accounting adds it). Used for the
+    parameter count and the dry run's per-stage memory estimate."""
 
 
 def residual_stream_entry(config) -> Entry:

@@ -32,7 +32,7 @@ from torch import Tensor
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.depth_state import STEM, Entry
 from depthmix.megatron_ext.layer import ResidualOp
-from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig
+from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig
 from depthmix.megatron_ext.mixers.mhc import mark_mixing_parameter
 from depthmix.megatron_ext.model import seeded_init
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
@@ -179,4 +179,30 @@ def ddl_plan(config, tp: int) -> List[Entry]:
                   shape=(config.hidden_size, config.mixer.value_channels), seq_sharded=True)]
 
 
-MIXER = Mixer(name="ddl", config_cls=DDLConfig, model_spec=get_ddl_model_spec, plan=ddl_plan)
+def extra_flops_per_token(config) -> int:
+    """Forward FLOPs per token added to a vanilla decoder (whole model; ``h`` hidden,
+    ``d_v`` value channels), per sublayer (``2L`` of them)::
+
+        read     X r                2 h d_v
+        gate     w_beta . x_in      2 h
+        values   W_v x_in           2 h d_v
+        k^T X                       2 h d_v
+        update   X + k delta^T      2 h d_v
+
+    i.e. ``8 h d_v + 2h``, plus the head's readout ``X r_out``, ``2 h d_v``. Left out: the
+    RMS normalisations of ``k`` and ``x_in``, the sigmoids and the ``O(d_v)`` gate work.
+    """
+    h, dv = config.hidden_size, config.mixer.value_channels
+    return 2 * config.unrolled_layers * (8 * h * dv + 2 * h) + 2 * h * dv
+
+
+def extra_params(config, tp: int = 1) -> ExtraParams:
+    """Per sublayer (two per stored layer), replicated: read vector ``d_v``, ``w_beta`` ``h``,
+    ``b_beta`` 1, ``W_v`` ``d_v x h``, ``b_v`` ``d_v``: ``(d_v + 1) h + 2 d_v + 1``; the head's
+    read vector ``r_out``, ``d_v``."""
+    h, dv = config.hidden_size, config.mixer.value_channels
+    return ExtraParams(layers=(2 * ((dv + 1) * h + 2 * dv + 1),) * config.num_layers, head=dv)
+
+
+MIXER = Mixer(name="ddl", config_cls=DDLConfig, model_spec=get_ddl_model_spec, plan=ddl_plan,
+              extra_flops_per_token=extra_flops_per_token, extra_params=extra_params)

@@ -33,7 +33,7 @@ from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import STEM, DepthState, Entry
 from depthmix.megatron_ext.layer import HIDDEN, ResidualOp, StateHook
-from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig
+from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig
 from depthmix.megatron_ext.model import StateHead, StateStem
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
 
@@ -192,5 +192,30 @@ def get_denseformer_model_spec(config):
     return get_model_submodules(config, layer, stem=DenseFormerStem, head=DenseFormerHead)
 
 
+def extra_flops_per_token(config) -> int:
+    """Forward FLOPs per token added to a vanilla decoder (whole model, ``d`` hidden)::
+
+        sum over the blocks i = 1..L with a DWA (p | i) of 2 d |S(i)|,  |S(i)| = floor(i/k) + 1
+
+    the weighted sum ``Y_i = sum_j alpha_{i,j} X_j`` (one multiply-add per source and
+    element); ``d L (L + 3)`` for ``1 x 1``. Nothing is left out.
+    """
+    geo = DWAGeometry.from_config(config)
+    return 2 * config.hidden_size * sum(len(geo.sources(i)) for i in range(1, geo.num_blocks + 1)
+                                        if geo.has_dwa(i))
+
+
+def extra_params(config, tp: int = 1) -> ExtraParams:
+    """The DWA weights ``alpha_i`` (``|S(i)|`` scalars, replicated), held by the stored
+    layer applied at depth ``i``: stored layer ``u`` owns depths ``t * num_layers + u + 1``
+    over the loops ``t``, so the count grows with depth; ``L (L + 3) / 2`` for ``1 x 1``."""
+    geo = DWAGeometry.from_config(config)
+    n = config.num_layers
+    return ExtraParams(layers=tuple(
+        sum(len(geo.sources(i)) for i in range(u + 1, geo.num_blocks + 1, n) if geo.has_dwa(i))
+        for u in range(n)))
+
+
 MIXER = Mixer(name="denseformer", config_cls=DenseFormerConfig,
-              model_spec=get_denseformer_model_spec, plan=denseformer_plan)
+              model_spec=get_denseformer_model_spec, plan=denseformer_plan,
+              extra_flops_per_token=extra_flops_per_token, extra_params=extra_params)

@@ -237,7 +237,8 @@ def extra_flops_per_token(config) -> int:
     sums only, the softmax over a handful of entries omitted), per layer ``l`` with
     ``n_l = |S(l)| > 0`` sources and ``d_kv = ng * hn``: the scores ``2 (n_l + 1) d_kv``
     (softmax rule only), each mixed tensor ``2 (n_l + 1) d_kv``, and the group mean of the
-    queries ``np * hn`` (GQA only). Layers without sources cost nothing.
+    queries ``np * hn`` (GQA only). Layers without sources cost nothing. Depth-Attention
+    adds no parameters (``extra_params`` is the default: none).
     """
     cfg = config.mixer
     schedule = DepthSchedule.from_config(config)
@@ -256,4 +257,5 @@ def extra_flops_per_token(config) -> int:
 
 
 MIXER = Mixer(name="depth_attn", config_cls=DepthAttnConfig,
-              model_spec=get_depth_attn_model_spec, plan=depth_attn_plan)
+              model_spec=get_depth_attn_model_spec, plan=depth_attn_plan,
+              extra_flops_per_token=extra_flops_per_token)

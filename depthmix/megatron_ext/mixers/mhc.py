@@ -43,7 +43,7 @@ from depthmix.kernels.mhc import (
 )
 from depthmix.megatron_ext.depth_state import STEM, Entry
 from depthmix.megatron_ext.layer import ResidualOp
-from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig
+from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig
 from depthmix.megatron_ext.model import seeded_init
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
 
@@ -203,4 +203,36 @@ def mhc_plan(config, tp: int) -> List[Entry]:
                   shape=(config.mixer.streams, config.hidden_size), seq_sharded=True)]
 
 
-MIXER = Mixer(name="mhc", config_cls=MHCConfig, model_spec=get_mhc_model_spec, plan=mhc_plan)
+def extra_flops_per_token(config) -> int:
+    """Forward FLOPs per token added to a vanilla decoder (whole model; ``n`` streams,
+    ``h`` hidden, ``m = n^2 + 2n`` coefficients, ``2n`` for ``identity``), per sublayer
+    (``2L`` of them)::
+
+        coefficient projection  2 n h m      RMSNorm(flatten X) @ phi
+        pre-mix                 2 n h        H_pre X
+        res-mix                 2 n^2 h      H_res X      (not for identity: H_res = I)
+        post                    2 n h        + H_post^T F(x_in)
+
+    plus the head's mean over the streams, ``2 n h``. Left out: the RMSNorm of ``X``
+    (``~3nh``), gates and activations, Sinkhorn-Knopp (``~4 n^2`` per iteration).
+    """
+    mc = config.mixer
+    n, h = mc.streams, config.hidden_size
+    m = coefficient_width(mc.variant, n)
+    res = 0 if mc.variant == "identity" else 2 * n * n * h
+    sublayer = 2 * n * h * m + 2 * n * h + res + 2 * n * h
+    return 2 * config.unrolled_layers * sublayer + 2 * n * h
+
+
+def extra_params(config, tp: int = 1) -> ExtraParams:
+    """Per sublayer (two per stored layer), replicated: ``phi`` ``n h x m``, the gates
+    (3; 2 for ``identity``) and the static biases ``m``. Stem and head have none."""
+    mc = config.mixer
+    n, h = mc.streams, config.hidden_size
+    m = coefficient_width(mc.variant, n)
+    gates = 2 if mc.variant == "identity" else 3
+    return ExtraParams(layers=(2 * (n * h * m + gates + m),) * config.num_layers)
+
+
+MIXER = Mixer(name="mhc", config_cls=MHCConfig, model_spec=get_mhc_model_spec, plan=mhc_plan,
+              extra_flops_per_token=extra_flops_per_token, extra_params=extra_params)

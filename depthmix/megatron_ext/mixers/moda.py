@@ -51,7 +51,12 @@ from depthmix.megatron_ext.attention import DepthMixSelfAttention, SDPACoreAtten
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthState, Entry
 from depthmix.megatron_ext.layer import StateHook
-from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig, residual_stream_entry
+from depthmix.megatron_ext.mixers.base import (
+    ExtraParams,
+    Mixer,
+    MixerConfig,
+    residual_stream_entry,
+)
 from depthmix.megatron_ext.model import seeded_init
 from depthmix.megatron_ext.norm import QKNorm
 from depthmix.megatron_ext.specs import (
@@ -349,5 +354,55 @@ def get_moda_model_spec(config):
     return get_model_submodules(config, layer)
 
 
+# ---------------------------------------------------------------------------------------
+# Cost (the accounting's hooks)
+# ---------------------------------------------------------------------------------------
+
+
+def _projects(config, kind: str) -> bool:
+    """Whether entries of ``kind`` come from a depth KV projection (else reused k/v)."""
+    return config.mixer.ffn_kv_proj if kind == MLP else config.mixer.attn_kv_proj
+
+
+def extra_flops_per_token(config) -> int:
+    """Forward FLOPs per token added to a vanilla decoder (whole model; ``h`` hidden,
+    ``H``/``H_kv`` query/KV heads, ``d_h`` head dim)::
+
+        projections      4 h H_kv d_h   per *computed* projected entry: every read MLP
+                                        entry (ffn_kv_proj) and, with attn_kv_proj, every
+                                        read attention entry; unread ones are never built
+        depth attention  4 H d_h D_l    per layer l reading D_l = |visible(l)| entries:
+                                        scores q.K_dep and the weighted depth values, per
+                                        query head under the shared softmax
+
+    i.e. without a window ``(L-1)(ffn + attn) 4 h H_kv d_h + 2 (1 + ffn) H d_h L (L-1)``.
+    Left out: QK-norm and RoPE of projected keys, the softmax over the ``D_l`` extra
+    logits. The sequence part of the attention is the vanilla term.
+    """
+    geo = MoDAGeometry.from_config(config)
+    h, hn = config.hidden_size, config.kv_channels
+    ng, heads = config.num_query_groups, config.num_attention_heads
+    projected = sum(1 for s in geo.stored_sources() if _projects(config, s.kind))
+    depth = sum(len(geo.visible(layer)) for layer in range(geo.unrolled))
+    return projected * 4 * h * ng * hn + depth * 4 * heads * hn
+
+
+def extra_params(config, tp: int = 1) -> ExtraParams:
+    """Per stored layer, each depth KV projection it owns (one whose entry some unrolled
+    application writes and a later layer reads, see :meth:`MoDAGeometry.has_projection`):
+    ``linear_kv`` ``h x 2 H_kv d_h`` (column-parallel: ``/ tp``) plus the depth keys'
+    QK-norm gain ``d_h`` (replicated, with ``qk_layernorm``). Reused attention entries
+    add nothing; so ``ffn_kv_proj`` alone costs ``(L - 1)`` projections at ``n_loops = 1``."""
+    geo = MoDAGeometry.from_config(config)
+    hn = config.kv_channels
+    proj = (config.hidden_size * 2 * config.num_query_groups * hn // tp
+            + (hn if config.qk_layernorm else 0))
+    return ExtraParams(layers=tuple(
+        proj * sum(1 for kind in (ATTN, MLP)
+                   if _projects(config, kind) and geo.has_projection(u, kind))
+        for u in range(config.num_layers)))
+
+
 MIXER = Mixer(name="moda", config_cls=MoDAConfig, model_spec=get_moda_model_spec,
-              plan=moda_plan)
+              plan=moda_plan, extra_flops_per_token=extra_flops_per_token,
+              extra_params=extra_params)
