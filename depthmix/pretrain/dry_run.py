@@ -78,7 +78,7 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
         w(f"{e.pp_rank:>7} {acc.human(e.params):>10} {acc.gib(e.weight_bytes):>20} "
           f"{acc.gib(e.activation_bytes):>12} {e.inflight_microbatches:>9} "
           f"{acc.gib(e.total_bytes):>10} "
-          f"{(acc.human(e.payload_bytes) + 'B') if e.payload_bytes else '-':>18}\n")
+          f"{f'{e.payload_bytes / 2**20:.1f} MiB' if e.payload_bytes else '-':>18}\n")
     total = acc.total_params(run)
     w(f"model parameters: {acc.human(total)} ({total:,}); bytes/param for weights+grads+"
       f"optimizer: {acc.bytes_per_param(run, dp):.2f} ({t.precision}"
