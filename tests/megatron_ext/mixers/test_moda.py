@@ -18,6 +18,7 @@ from depthmix.megatron_ext.mixers import moda as moda_mod
 from depthmix.megatron_ext.mixers.moda import MoDAGeometry, moda_plan
 from depthmix.megatron_ext.transport import TransportGeometry
 from depthmix.testing import build_model, incremental_logits, tiny_run
+from resop_reference import assert_recompute_matches, ids_for, loss_and_grads
 
 F64 = torch.float64
 
@@ -141,20 +142,6 @@ def perturb(model, seed=0):
             if "layernorm" in name or "post_norm" in name:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     return model
-
-
-def ids_for(batch=2, seq=16, seed=0):
-    return torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def loss_and_grads(model, fn, ids):
-    weights = torch.randn(ids.shape[0], ids.shape[1], model.vocab_size,
-                          generator=torch.Generator().manual_seed(7), dtype=F64)
-    model.zero_grad(set_to_none=True)
-    logits = fn()
-    (logits * weights.to(logits.dtype)).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), grads
 
 
 def depth_param_count(model):
@@ -327,12 +314,8 @@ def test_recompute_gives_identical_gradients(megatron_single, options, norm):
     ids = ids_for()
     plain = perturb(make(norm=norm, **options)).train()
     recomputed = perturb(make(norm=norm, recompute=True, **options)).train()
-    a, ga = loss_and_grads(plain, lambda: plain(ids), ids)
-    b, gb = loss_and_grads(recomputed, lambda: recomputed(ids), ids)
-    assert torch.equal(a, b)
-    assert ga.keys() == gb.keys() and len(ga) == sum(1 for _ in plain.parameters())
-    for name in ga:
-        assert torch.equal(ga[name], gb[name]), name
+    ga = assert_recompute_matches(plain, recomputed, ids, rtol=0)
+    assert len(ga) == sum(1 for _ in plain.parameters())
 
 
 # ---------------------------------------------------------------------------------------
