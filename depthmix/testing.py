@@ -264,6 +264,29 @@ class _DataForRank:
         return self._get().valid_iterator()
 
 
+def assert_same_training(ours: dict, ref: dict, label: str, loss_rtol: float,
+                         grad_rtol: Optional[float] = None) -> float:
+    """Two :func:`run_layouts` results trained alike: each step's loss within ``loss_rtol``
+    (relative) and, when the results hold step-1 gradients, each parameter's gradient error
+    within ``grad_rtol`` of the global gradient norm. Returns the total gradient error
+    relative to that norm (0 without gradients)."""
+    import math
+
+    assert len(ours["losses"]) == len(ref["losses"]), label
+    for step, (a, b) in enumerate(zip(ours["losses"], ref["losses"])):
+        assert math.isclose(a, b, rel_tol=loss_rtol), f"{label}: loss step {step + 1}: {a} vs {b}"
+    if "grads" not in ref:
+        return 0.0
+    assert set(ours["grads"]) == set(ref["grads"]), f"{label}: parameter names differ"
+    norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in ref["grads"].values()))
+    total = 0.0
+    for name, g_ref in ref["grads"].items():
+        err = (ours["grads"][name] - g_ref).double().norm().item()
+        total += err**2
+        assert err <= grad_rtol * norm, f"{label}: grad {name} err {err / norm:.2e} of the norm"
+    return math.sqrt(total) / norm
+
+
 def run_layouts(runs: list, world_size: int, steps: int = 3, timeout: float = 600.0,
                 mode: str = "parity") -> list:
     """Train each run for ``steps`` steps in one group of ``world_size`` gloo processes.

@@ -4,13 +4,12 @@ losses (1e-4 relative) and step-1 gradients (1e-4 of the gradient norm) of
 ``mixer.impl=torch`` at TP=1, TP=2 with sequence parallelism, PP=2 and with full
 activation recomputation. One process group per world size holds all of its runs."""
 
-import math
 
 import pytest
 
 from depthmix.kernels.attnres import attnres_reference, fused_attnres
 from depthmix.kernels.dispatch import resolve_impl
-from depthmix.testing import build_model, run_layouts, tiny_run
+from depthmix.testing import assert_same_training, build_model, run_layouts, tiny_run
 
 MIXERS = {"full": ("attnres_full", {}), "block": ("attnres_block", {"block_size": 2})}
 # layout: (world size, parallel options)
@@ -58,13 +57,7 @@ def results():
 def test_triton_trains_like_torch(mixer, layout, results):
     ours, ref = results((mixer, layout, "triton")), results((mixer, layout, "torch"))
     assert len(ours["losses"]) == 3
-    for step, (a, b) in enumerate(zip(ours["losses"], ref["losses"])):
-        assert math.isclose(a, b, rel_tol=1e-4), f"step {step + 1}: loss {a} vs {b}"
-    assert set(ours["grads"]) == set(ref["grads"])
-    norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in ref["grads"].values()))
-    for name, g in ref["grads"].items():
-        err = (ours["grads"][name] - g).double().norm().item()
-        assert err <= 1e-4 * norm, f"grad {name}: err {err / norm:.2e} of the norm"
+    assert_same_training(ours, ref, f"{mixer} {layout}", loss_rtol=1e-4, grad_rtol=1e-4)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from depthmix.testing import run_layouts, tiny_run
+from depthmix.testing import assert_same_training, run_layouts, tiny_run
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -31,16 +31,6 @@ def make_run(impl, **parallel):
     return run
 
 
-def assert_same_training(ours, ref, label):
-    for step, (a, b) in enumerate(zip(ours["losses"], ref["losses"])):
-        assert math.isclose(a, b, rel_tol=1e-4), f"{label}: loss step {step + 1}: {a} vs {b}"
-    assert set(ours["grads"]) == set(ref["grads"])
-    norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in ref["grads"].values()))
-    for name, g_ref in ref["grads"].items():
-        err = (ours["grads"][name] - g_ref).double().norm().item()
-        assert err <= 1e-5 * norm, f"{label}: grad {name} err {err / norm:.2e} of the norm"
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_triton_trains_like_torch(layout):
     world, parallel = LAYOUTS[layout]
@@ -51,8 +41,9 @@ def test_triton_trains_like_torch(layout):
     ref, ours = results[0], results[1]
     assert all(math.isfinite(x) for x in ref["losses"])
     assert ref["losses"][0] != ref["losses"][2]  # it trains
-    assert_same_training(ours, ref, f"triton@{layout}")
+    assert_same_training(ours, ref, f"triton@{layout}", loss_rtol=1e-4, grad_rtol=1e-5)
     if layout == "tp1":
-        assert_same_training(results[2], ref, "triton+recompute@tp1")
+        assert_same_training(results[2], ref, "triton+recompute@tp1", loss_rtol=1e-4,
+                             grad_rtol=1e-5)
         for name, g in results[1]["grads"].items():  # recompute: identical gradients
             assert torch.equal(results[2]["grads"][name], g), name

@@ -4,12 +4,11 @@ relative, at TP=1, TP=2 with sequence parallelism, PP=2 and with full activation
 recomputation. One process group per world size: the runs of a group train one after
 the other in the same ranks."""
 
-import math
 
 import pytest
 import torch
 
-from depthmix.testing import run_layouts, tiny_run
+from depthmix.testing import assert_same_training, run_layouts, tiny_run
 
 LAYOUTS = {  # name: (world size, parallel options)
     "tp1": (1, {}),
@@ -48,8 +47,8 @@ def results():
 def test_triton_trains_like_torch(layout, results):
     torch_losses, triton_losses = results[layout]["torch"], results[layout]["triton"]
     assert len(triton_losses) == 3
-    for step, (a, b) in enumerate(zip(triton_losses, torch_losses)):
-        assert math.isclose(a, b, rel_tol=1e-4), f"{layout} step {step + 1}: {a} vs {b}"
+    assert_same_training({"losses": triton_losses}, {"losses": torch_losses}, layout,
+                         loss_rtol=1e-4)
     assert triton_losses[0] != triton_losses[-1]  # it trained
 
 

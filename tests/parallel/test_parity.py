@@ -9,13 +9,12 @@ norm: a tensor whose gradient is a near-cancelling sum, e.g. DDL's layer-0 read 
 with norm 1e-5, already differs by 1e-4 between fp32 and fp64 on one rank.)
 """
 
-import math
 
 import pytest
 import torch
 
 from depthmix.megatron_ext.mixers import available
-from depthmix.testing import run_layouts, tiny_run
+from depthmix.testing import assert_same_training, run_layouts, tiny_run
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -73,18 +72,11 @@ def layout_results():
 
 
 def assert_matches(result, ref, label):
-    for step, (a, b) in enumerate(zip(result["losses"], ref["losses"])):
-        assert math.isclose(a, b, rel_tol=1e-5), f"{label}: loss step {step + 1}: {a} vs {b}"
-    assert set(result["grads"]) == set(ref["grads"]), f"{label}: parameter names differ"
-    norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in ref["grads"].values()))
-    total = 0.0
-    for name, g_ref in ref["grads"].items():
-        w, w_ref = result["init_params"][name], ref["init_params"][name]
-        assert torch.equal(w, w_ref), f"{label}: initial {name} differs across layouts"
-        err = (result["grads"][name] - g_ref).double().norm().item()
-        total += err**2
-        assert err <= 1e-5 * norm, f"{label}: grad {name} err {err / norm:.2e} of the norm"
-    assert math.sqrt(total) <= 1e-5 * norm, f"{label}: gradient err {math.sqrt(total) / norm:.2e}"
+    total = assert_same_training(result, ref, label, loss_rtol=1e-5, grad_rtol=1e-5)
+    assert total <= 1e-5, f"{label}: gradient err {total:.2e}"
+    for name, w_ref in ref["init_params"].items():
+        assert torch.equal(result["init_params"][name], w_ref), \
+            f"{label}: initial {name} differs across layouts"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
