@@ -40,7 +40,7 @@ from depthmix.kernels.attnres import attnres_op
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import STEM, DepthState, Entry
 from depthmix.megatron_ext.layer import ResidualOp
-from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig
+from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig, mark_mixing_parameter
 from depthmix.megatron_ext.model import StateHead, StateStem
 from depthmix.megatron_ext.norm import RMSNorm
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
@@ -207,10 +207,7 @@ class PseudoQueryRead(MegatronModule):
         self.query = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=config.params_dtype))
         self.key_norm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
         for p in (self.query, self.key_norm.weight):
-            # depth-mixing parameters: no weight decay; under sequence parallelism they
-            # see only this rank's tokens, so Megatron all-reduces their grads over TP
-            p.no_weight_decay = True
-            p.sequence_parallel = config.sequence_parallel
+            mark_mixing_parameter(p, config)
         self.geometry = AttnResGeometry.from_config(config)
         # the op implementation is fixed here, from the start-up resolved mixer.impl
         self.attnres = attnres_op(config.mixer.impl)

@@ -95,3 +95,10 @@ def residual_stream_entry(config) -> Entry:
 
 def residual_plan(config, tp: int) -> List[Entry]:
     return [residual_stream_entry(config)]
+
+
+def mark_mixing_parameter(param, config) -> None:
+    """Per-token parameters on the full hidden: grads are partial per sequence shard under
+    sequence parallelism (all-reduced over TP), and they are excluded from weight decay."""
+    param.sequence_parallel = config.sequence_parallel
+    param.no_weight_decay = True

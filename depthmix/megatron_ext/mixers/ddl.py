@@ -32,8 +32,7 @@ from torch import Tensor
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.depth_state import STEM, Entry
 from depthmix.megatron_ext.layer import ResidualOp
-from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig
-from depthmix.megatron_ext.mixers.mhc import mark_mixing_parameter
+from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig, mark_mixing_parameter
 from depthmix.megatron_ext.model import seeded_init
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
 

@@ -33,7 +33,7 @@ from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import STEM, DepthState, Entry
 from depthmix.megatron_ext.layer import HIDDEN, ResidualOp, StateHook
-from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig
+from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig, mark_mixing_parameter
 from depthmix.megatron_ext.model import StateHead, StateStem
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
 
@@ -145,8 +145,7 @@ class DepthWeightedAverage(StateHook):
                 init = torch.zeros(len(geo.sources(i)), dtype=config.params_dtype)
                 init[-1] = 1.0  # identity: Y_i = X_i
                 p = torch.nn.Parameter(init)
-                p.no_weight_decay = True
-                p.sequence_parallel = config.sequence_parallel
+                mark_mixing_parameter(p, config)
                 self.alpha[str(i)] = p
 
     def forward(self, state: DepthState, ctx: ForwardContext, *args) -> None:

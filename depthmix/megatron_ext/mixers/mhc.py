@@ -43,7 +43,7 @@ from depthmix.kernels.mhc import (
 )
 from depthmix.megatron_ext.depth_state import STEM, Entry
 from depthmix.megatron_ext.layer import ResidualOp
-from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig
+from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig, mark_mixing_parameter
 from depthmix.megatron_ext.model import seeded_init
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
 
@@ -79,13 +79,6 @@ class MHCConfig(MixerConfig):
         if model.norm_position != "pre":
             raise ConfigError(f"mixer=mhc needs pre-norm blocks (model.norm_position="
                               f"{model.norm_position!r}; set model.norm_position=pre)")
-
-
-def mark_mixing_parameter(param: torch.nn.Parameter, config) -> None:
-    """Per-token parameters on the full hidden: grads are partial per sequence shard under
-    sequence parallelism (all-reduced over TP), and they are excluded from weight decay."""
-    param.sequence_parallel = config.sequence_parallel
-    param.no_weight_decay = True
 
 
 def static_bias(variant: str, n: int, home: int) -> torch.Tensor:
