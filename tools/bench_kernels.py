@@ -24,8 +24,6 @@ from typing import Callable, List
 
 import torch
 
-from depthmix.kernels.bench_case import Case  # noqa: F401  (re-exported for bench modules)
-
 OPS = ["depth_mix", "moda_attention", "attnres", "mhc"]
 
 
@@ -70,6 +68,9 @@ def main():
     smoke = args.smoke or not torch.cuda.is_available()
     if not torch.cuda.is_available():  # before any kernel module is imported (triton.jit reads it)
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    else:  # `compile` candidates see one static shape per case; Dynamo's default of 8
+        # recompiles per function would silently fall back to eager on the later cases
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     import triton
 

@@ -89,9 +89,6 @@ def cases(smoke: bool) -> list:
 
     out = []
     if cuda:
-        # 9 static shapes of one function exceed Dynamo's default limit of 8 recompiles,
-        # after which it silently runs eager
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         mixes["compile"] = torch.compile(depth_mix, dynamic=False)
     for t, heads, g, hd, dtype in shapes:
         label = f"T{t}-G{g}-hd{hd}" + (f"-np{heads}-fp32" if dtype == torch.float32 else "")
