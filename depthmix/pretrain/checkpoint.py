@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from depthmix.config.fingerprint import record
 from depthmix.config.schema import ConfigError
 
 log = logging.getLogger("depthmix")
@@ -281,6 +282,7 @@ def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = No
             "optim_format": t.ckpt_optim_format,
             "world_size": dist.get_world_size(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "record": record(trainer.run),
             **(extra_meta or {}),
         }
         _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=2))
