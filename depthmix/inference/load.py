@@ -30,6 +30,14 @@ class LoadedModel:
     """The checkpoint's ``depthmix.json``."""
 
     @property
+    def tokenizer_path(self) -> Optional[str]:
+        """The run's tokenizer saved with the checkpoint, or None (runs on synthetic data)."""
+        from depthmix.pretrain.checkpoint import TOKENIZER
+
+        path = os.path.join(self.path, TOKENIZER)
+        return path if os.path.isfile(path) else None
+
+    @property
     def vocab_size(self) -> int:
         """Real vocabulary (the embedding is padded beyond it)."""
         return self.run.model.vocab_size

@@ -4,7 +4,9 @@ Layout of ``train.save_dir``::
 
     latest_checkpointed_iteration.txt   the step of the newest complete checkpoint (tracker)
     iter_0000500/                       one Megatron distributed checkpoint (torch_dist)
-        depthmix.json                   written last: step, layout, format; marks it complete
+        depthmix.json                   written last: step, layout, format, model record;
+                                        marks it complete
+        tokenizer.json                  the run's tokenizer (when it has a file)
         common.pt, metadata.json, *.distcp, ...
     wandb_run_id.txt                    the W&B run this directory's training logs to
 
@@ -50,6 +52,7 @@ log = logging.getLogger("depthmix")
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "depthmix.json"
+TOKENIZER = "tokenizer.json"
 FORMAT_VERSION = 1
 OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")
 
@@ -285,6 +288,7 @@ def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = No
             "record": record(trainer.run),
             **(extra_meta or {}),
         }
+        _copy_tokenizer(trainer, tmp)
         _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=2))
         _fsync_dir(tmp)
         if os.path.exists(final):  # the same step saved before (e.g. a re-run): replace it
@@ -298,6 +302,15 @@ def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = No
     dist.barrier()
     log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
     return final
+
+
+def _copy_tokenizer(trainer, directory: str) -> None:
+    """The run's tokenizer file travels with the weights (``tokenizer.json``), so evaluation,
+    generation and export need only the checkpoint."""
+    tokenizer = getattr(getattr(trainer, "data", None), "tokenizer", None)
+    path = getattr(tokenizer, "path", None)
+    if path and os.path.isfile(path):
+        shutil.copyfile(path, os.path.join(directory, TOKENIZER))
 
 
 # ---------------------------------------------------------------------------------------
