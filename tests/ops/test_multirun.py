@@ -61,8 +61,8 @@ def test_lr_sweep_file():
 
 
 @pytest.mark.parametrize("sweep,mixer,key,values", [
-    ("depth_attn_stride", "depth_attn", "mixer.stride", "6,12,24"),
-    ("attnres_block_size", "attnres_block", "mixer.block_size", "4,8,12"),
+    ("depth_attn_stride", "depth_attn", "mixer.stride", "1,6,12,24"),
+    ("attnres_num_blocks", "attnres_block", "mixer.num_blocks", "2,4,8,16"),
 ])
 def test_mixer_sweep_files(sweep, mixer, key, values):
     from depthmix.megatron_ext.mixers import available

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from megatron.core.transformer.module import MegatronModule
@@ -79,24 +79,40 @@ class BlockAttnResConfig(MixerConfig):
     """Block Attention Residuals: attention over block sums and the current partial sum."""
 
     name: str = "attnres_block"
-    block_size: int = 12
-    """Sublayers per block (attention and MLP count separately). The paper's baseline is
-    12 (about 8 blocks); 1 is Full AttnRes. Must divide ``2 * num_layers * n_loops``."""
+    num_blocks: int = 8
+    """Blocks of sublayers (the embedding's block 0 not counted): the block size is
+    ``ceil(N / num_blocks)`` for ``N = 2 * num_layers * n_loops`` sublayers, the last block
+    taking what is left. The Attention Residuals paper stores about eight block
+    representations ("eight stored block representations"); ``num_blocks = N`` is Full
+    AttnRes."""
+    block_size: Optional[int] = None
+    """Sublayers per block (attention and MLP count separately), set explicitly instead of
+    ``num_blocks`` (it wins when both are set). A ``block_size`` that does not divide ``N``
+    leaves a shorter last block."""
 
     @property
     def sublayers_per_block(self) -> int:
+        assert self.block_size is not None, "resolve() derives block_size from num_blocks"
         return self.block_size
+
+    def resolve(self, model) -> None:
+        if self.block_size is None and self.num_blocks >= 1:
+            sublayers = 2 * model.num_layers * model.n_loops
+            self.block_size = max(1, -(-sublayers // self.num_blocks))
 
     def validate(self, model, parallel) -> None:
         super().validate(model, parallel)
         _check_pre_norm(model)
-        if self.block_size < 1:
+        if self.num_blocks < 1:
+            raise ConfigError(f"mixer.num_blocks={self.num_blocks} must be >= 1")
+        if self.block_size is not None and self.block_size < 1:
             raise ConfigError(f"mixer.block_size={self.block_size} must be >= 1")
         sublayers = 2 * model.num_layers * model.n_loops
-        if sublayers % self.block_size:
+        if self.block_size is not None and self.block_size > sublayers:
             raise ConfigError(
-                f"mixer.block_size={self.block_size} must divide the number of sublayers "
-                f"2 * model.num_layers * model.n_loops = {sublayers}"
+                f"mixer.block_size={self.block_size} is larger than the number of sublayers "
+                f"2 * model.num_layers * model.n_loops = {sublayers} (one block would hold "
+                "them all: no depth attention left); use mixer.num_blocks instead"
             )
 
 
@@ -109,9 +125,11 @@ class BlockAttnResConfig(MixerConfig):
 class AttnResGeometry:
     """Sources and writes of every sublayer; ``block_size = 1`` is Full AttnRes.
 
-    Sublayers are 1-based, ``num_sublayers + 1`` is the head. Entry names: completed
-    blocks ``b{k}`` (``y{s}`` for Full, where block ``s`` is sublayer ``s``), the
-    running partial sum of block ``k`` ``p{k}``.
+    Sublayers are 1-based, ``num_sublayers + 1`` is the head. Blocks hold ``block_size``
+    consecutive sublayers; when that does not divide ``num_sublayers`` the last block is
+    shorter (ragged) and completes at the last sublayer, so the head always reads completed
+    blocks only. Entry names: completed blocks ``b{k}`` (``y{s}`` for Full, where block
+    ``s`` is sublayer ``s``), the running partial sum of block ``k`` ``p{k}``.
     """
 
     num_sublayers: int
@@ -125,6 +143,11 @@ class AttnResGeometry:
     def head(self) -> int:
         return self.num_sublayers + 1
 
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of sublayers (the embedding's block 0 not counted)."""
+        return -(-self.num_sublayers // self.block_size)
+
     def block_name(self, k: int) -> str:
         return f"y{k}" if self.block_size == 1 else f"b{k}"
 
@@ -133,11 +156,18 @@ class AttnResGeometry:
         return f"p{k}"
 
     def block_of(self, i: int) -> int:
-        """Block of sublayer ``i >= 1`` (the head opens block ``N/m + 1``)."""
+        """Block of sublayer ``i >= 1`` (the head opens block ``num_blocks + 1``)."""
+        if i == self.head:
+            return self.num_blocks + 1
         return (i - 1) // self.block_size + 1
 
     def position_in_block(self, i: int) -> int:
-        return (i - 1) % self.block_size
+        return 0 if i == self.head else (i - 1) % self.block_size
+
+    def block_range(self, k: int) -> range:
+        """The sublayers of block ``k >= 1``."""
+        first = (k - 1) * self.block_size + 1
+        return range(first, min(first + self.block_size, self.num_sublayers + 1))
 
     @staticmethod
     def layer_of(i: int) -> int:
@@ -160,7 +190,7 @@ class AttnResGeometry:
         """Add sublayer ``i``'s output to its block; a full block becomes ``b{k}``."""
         k, pos = self.block_of(i), self.position_in_block(i)
         total = output if pos == 0 else state.pop(self.partial_name(k)) + output
-        if pos == self.block_size - 1:
+        if i == self.block_range(k)[-1]:
             state[self.block_name(k)] = total
         else:
             state[self.partial_name(k)] = total
@@ -171,19 +201,17 @@ class AttnResGeometry:
         A read by the layer that wrote the entry happens inside that layer and is not
         listed (the plan only describes layer boundaries).
         """
-        n, m = self.num_sublayers, self.block_size
         out = []
-        for k in range(n // m + 1):
-            last = k * m  # the sublayer completing block k (0: the embedding)
+        for k in range(self.num_blocks + 1):
+            last = self.block_range(k)[-1] if k else 0  # the sublayer completing block k
             writer = STEM if k == 0 else self.layer_of(last)
             readers = sorted({self.layer_of(i) for i in range(last + 1, self.head + 1)} - {writer})
             out.append(Entry(self.block_name(k), (writer,), tuple(readers), (hidden_size,)))
-        if m > 1:
-            for k in range(1, n // m + 1):
-                first = (k - 1) * m + 1
-                writers = sorted({self.layer_of(i) for i in range(first, first + m - 1)})
-                readers = sorted({self.layer_of(i) for i in range(first + 1, first + m)}
-                                 - {writers[0]})
+        if self.block_size > 1:
+            for k in range(1, self.num_blocks + 1):
+                block = self.block_range(k)
+                writers = sorted({self.layer_of(i) for i in block[:-1]})
+                readers = sorted({self.layer_of(i) for i in block[1:]} - set(writers[:1]))
                 if readers:  # else written and read inside one layer only
                     out.append(Entry(self.partial_name(k), tuple(writers), tuple(readers),
                                      (hidden_size,)))

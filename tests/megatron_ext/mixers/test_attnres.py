@@ -100,6 +100,9 @@ def make(mixer, dtype=F64, mha=False, n_loops=1, recompute=False, eps=None, **op
     if mha:
         run.model.num_query_groups = run.model.num_attention_heads
     run.model.n_loops = n_loops
+    if options.get("block_size", 0) is None:  # derived from num_blocks: at the looped depth
+        run.mixer.block_size = None
+        run.mixer.resolve(run.model)
     if eps is not None:
         run.model.norm_epsilon = eps
     if recompute:
@@ -119,6 +122,11 @@ CASES = [
     pytest.param("attnres_block", {"block_size": 4}, False, 1, id="block4"),
     pytest.param("attnres_block", {"block_size": 8}, True, 1, id="block8-mha"),
     pytest.param("attnres_block", {"block_size": 3}, False, 3, id="block3-loops3"),
+    pytest.param("attnres_block", {"block_size": 3}, False, 1, id="block3-ragged"),
+    pytest.param("attnres_block", {"num_blocks": 2, "block_size": None}, True, 2,
+                 id="2blocks-of-8"),
+    pytest.param("attnres_block", {"num_blocks": 3, "block_size": None}, False, 2,
+                 id="3blocks-ragged"),
 ]
 
 
@@ -126,7 +134,9 @@ CASES = [
 def test_matches_slow_reference_fp64(megatron_single, mixer, options, mha, n_loops):
     model = perturb(make(mixer, mha=mha, n_loops=n_loops, **options))
     ids = ids_for()
-    block = options.get("block_size") if mixer == "attnres_block" else None
+    block = model.config.mixer.block_size if mixer == "attnres_block" else None
+    if "num_blocks" in options:
+        assert AttnResGeometry.from_config(model.config).num_blocks == options["num_blocks"]
     fast, g_fast = loss_and_grads(model, lambda: model(ids), ids)
     slow, g_slow = loss_and_grads(model, lambda: reference_logits(model, ids, block), ids)
     torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
@@ -135,9 +145,12 @@ def test_matches_slow_reference_fp64(megatron_single, mixer, options, mha, n_loo
         torch.testing.assert_close(g_fast[name], g_slow[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
-def test_block_size_one_equals_full(megatron_single):
+@pytest.mark.parametrize("options", [{"block_size": 1}, {"num_blocks": 8, "block_size": None}],
+                         ids=["block_size=1", "num_blocks=sublayers"])
+def test_block_size_one_equals_full(megatron_single, options):
     full = perturb(make("attnres_full"))
-    block = perturb(make("attnres_block", block_size=1))
+    block = perturb(make("attnres_block", **options))
+    assert block.config.mixer.block_size == 1  # 8 sublayers in 8 blocks
     ids = ids_for()
     a, ga = loss_and_grads(full, lambda: full(ids), ids)
     b, gb = loss_and_grads(block, lambda: block(ids), ids)
@@ -210,13 +223,17 @@ def test_parameters_marked_for_sp_and_no_weight_decay(megatron_single):
 
 
 def test_validation_names_the_option():
-    run = tiny_run("attnres_block", block_size=3)  # 8 sublayers
-    with pytest.raises(ConfigError, match="mixer.block_size=3"):
+    validate(tiny_run("attnres_block", block_size=3))  # 8 sublayers: blocks of 3, 3, 2
+    run = tiny_run("attnres_block", block_size=9)
+    with pytest.raises(ConfigError, match="mixer.block_size=9"):
         validate(run)
     run = tiny_run("attnres_block", block_size=0)
     with pytest.raises(ConfigError, match="mixer.block_size=0"):
         validate(run)
-    run = tiny_run("attnres_block", block_size=3)
+    run = tiny_run("attnres_block", num_blocks=0)
+    with pytest.raises(ConfigError, match="mixer.num_blocks=0"):
+        validate(run)
+    run = tiny_run("attnres_block", block_size=9)
     run.model.n_loops = 3  # 24 sublayers
     validate(run)
     run = tiny_run("attnres_full")
@@ -234,14 +251,16 @@ def expected_live(boundary, block_size, num_sublayers):
     """Entering layer ``boundary``, ``2 * boundary`` sublayers are done: the completed
     blocks so far, and the partial sum of the open block if it is not empty."""
     done = 2 * boundary
-    names = {("y" if block_size == 1 else "b") + str(k) for k in range(done // block_size + 1)}
+    completed = done // block_size + (done == num_sublayers and num_sublayers % block_size > 0)
+    names = {("y" if block_size == 1 else "b") + str(k) for k in range(completed + 1)}
     if done % block_size and done < num_sublayers:
         names.add(f"p{done // block_size + 1}")
     return names
 
 
 @pytest.mark.parametrize("layers,block_size",
-                         [(4, 1), (4, 2), (4, 8), (6, 4), (6, 3), (12, 12), (5, 5)])
+                         [(4, 1), (4, 2), (4, 8), (6, 4), (6, 3), (12, 12), (5, 5),
+                          (4, 3), (6, 5), (5, 4), (3, 4)])
 def test_plan_is_exact(layers, block_size):
     geo = AttnResGeometry(2 * layers, block_size)
     plan = DepthPlan(geo.entries(64), layers)
@@ -253,6 +272,12 @@ def test_plan_is_exact(layers, block_size):
     assert [m3.sources(i) for i in range(1, 8)] == [
         ["b0"], ["b0", "p1"], ["b0", "p1"], ["b0", "b1"], ["b0", "b1", "p2"],
         ["b0", "b1", "p2"], ["b0", "b1", "b2"]]
+    # ragged: 5 sublayers in blocks of 2, 2, 1; the head reads the three completed blocks
+    ragged = AttnResGeometry(5, 2)
+    assert ragged.num_blocks == 3
+    assert [ragged.sources(i) for i in range(1, 7)] == [
+        ["b0"], ["b0", "p1"], ["b0", "b1"], ["b0", "b1", "p2"], ["b0", "b1", "b2"],
+        ["b0", "b1", "b2", "b3"]]
 
 
 def transport(layers, block_size, pp, vp, seq=16, hidden=64, tp=1, sp=False):
@@ -274,7 +299,7 @@ def held_by_receiver(layout, chunk, block_size):
 
 @pytest.mark.parametrize("layers,block_size,pp,vp", [
     (8, 2, 2, 2), (12, 4, 2, 2), (12, 1, 2, 2), (16, 4, 2, 4), (8, 2, 4, 1), (12, 3, 4, 1),
-    (16, 8, 4, 2)])
+    (16, 8, 4, 2), (12, 5, 2, 2), (8, 3, 4, 1)])
 def test_transitions_send_only_blocks_new_to_the_receiver(layers, block_size, pp, vp):
     geo = transport(layers, block_size, pp, vp)
     layout = geo.layout
