@@ -91,6 +91,9 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_fraction: float = 0.02
+    """Linear warmup over this fraction of ``steps`` (ignored when ``warmup_steps`` is set)."""
+    warmup_steps: Optional[int] = None
+    """Linear warmup over this many steps (e.g. the MoDA paper's 2k), instead of a fraction."""
     lr_decay_style: str = "cosine"
     weight_decay: float = 0.1
     adam_beta1: float = 0.9

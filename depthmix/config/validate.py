@@ -86,6 +86,8 @@ def validate(run: RunConfig, world_size: Optional[int] = None) -> None:
     _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
     _require(0.0 <= t.warmup_fraction < 1.0,
              f"train.warmup_fraction={t.warmup_fraction} must be in [0, 1)")
+    _require(t.warmup_steps is None or 0 <= t.warmup_steps < t.steps,
+             f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
     if world_size is not None:
         dp = data_parallel_size(run, world_size)
         _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,

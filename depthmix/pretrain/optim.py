@@ -47,7 +47,7 @@ def build_optimizer(run: RunConfig, config, model):
         init_lr=0.0,
         max_lr=t.lr,
         min_lr=t.min_lr,
-        lr_warmup_steps=int(t.warmup_fraction * t.steps),
+        lr_warmup_steps=warmup_steps(t),
         lr_decay_steps=t.steps,
         lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay,
@@ -56,3 +56,7 @@ def build_optimizer(run: RunConfig, config, model):
         wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def warmup_steps(t) -> int:
+    return t.warmup_steps if t.warmup_steps is not None else int(t.warmup_fraction * t.steps)

@@ -1,0 +1,47 @@
+"""Every shipped model preset composes with every mixer and passes the dry run at the world
+size a paper-scale run would use (no model, no process group)."""
+
+import io
+
+import pytest
+
+from depthmix.config.load import compose_run
+from depthmix.megatron_ext.mixers import available
+from depthmix.pretrain import dry_run
+
+# preset -> (overrides, world size) of a paper-scale run
+PAPER_LAYOUTS = {
+    "360m": (["train=paper"], 8),
+    "500m": (["train=paper"], 8),
+    "500m_looped3": (["train=paper"], 8),
+    "710m": (["train=paper"], 8),
+    "1p5b": (["train=paper", "parallel=tp2"], 32),
+    "3b": (["train=paper", "parallel=tp2_pp4"], 64),
+    "moda_700m": (["train=moda_paper"], 64),
+    "moda_1p5b": (["train=moda_paper", "parallel=tp2"], 64),
+    "moda_w384_l24": (["train=moda_paper"], 8),
+    "moda_w384_l48": (["train=moda_paper"], 8),
+}
+
+
+def test_every_preset_has_a_paper_layout():
+    from importlib import resources
+
+    shipped = {p.name[:-5] for p in resources.files("depthmix.configs").joinpath("model").iterdir()
+               if p.name.endswith(".yaml")}
+    assert shipped - {"tiny"} == set(PAPER_LAYOUTS)
+
+
+@pytest.mark.parametrize("mixer", available())
+@pytest.mark.parametrize("preset", sorted(PAPER_LAYOUTS))
+def test_preset_and_mixer_dry_run(preset, mixer):
+    overrides, world_size = PAPER_LAYOUTS[preset]
+    run = compose_run(f"model={preset}", f"mixer={mixer}", *overrides)
+    out = io.StringIO()
+    assert dry_run.main(run, world_size=world_size, out=out) == 0, out.getvalue()
+    assert f"dry run OK for world size {world_size}" in out.getvalue()
+
+
+def test_710m_block_attnres_uses_eight_blocks():
+    run = compose_run("model=710m", "mixer=attnres_block")
+    assert run.mixer.block_size == 8  # 64 sublayers / 8 blocks
