@@ -16,9 +16,10 @@ full sequence — from the writing layer to its last reader, so under pipeline p
 only those cross stages. The math lives in :func:`depthmix.kernels.depth_mix.depth_mix`,
 the boundary of the future fused kernel.
 
-Sources index the *unrolled* layer sequence (``ctx.layer``), so in a looped transformer
-(``model.n_loops > 1``) the values a shared layer produced at an earlier loop are sources
-like any other layer's.
+Sources index the *unrolled* layer sequence (``ctx.layer``). In a looped transformer
+(``model.n_loops > 1``) a layer's own earlier-loop values are added to its sources
+(``mixer.own_loops``, default true, the paper's looped Depth-Attention); the stride's
+sources over the unrolled depth stay as they are.
 """
 
 from __future__ import annotations
@@ -50,22 +51,30 @@ def default_stride(unrolled_layers: int) -> int:
     return max(1, unrolled_layers // 2)
 
 
-def depth_sources(layer: int, stride: int, mode: str = "anchored") -> Tuple[int, ...]:
+def depth_sources(layer: int, stride: int, mode: str = "anchored",
+                  loop_period: Optional[int] = None) -> Tuple[int, ...]:
     """``S(layer)``, ascending. ``anchored``: ``{j < l : j % s == 0}`` (``s >= L`` is "first
-    layer only", ``s = 1`` every earlier layer); ``relative``: ``{l-s, l-2s, ...} ∩ [0, l)``."""
+    layer only", ``s = 1`` every earlier layer); ``relative``: ``{l-s, l-2s, ...} ∩ [0, l)``.
+    ``loop_period = N`` (a looped stack of ``N`` stored layers): also the layer's own
+    earlier-loop runs ``{l-N, l-2N, ...}`` (the looped Depth-Attention of the paper)."""
     if mode == "anchored":
-        return tuple(range(0, layer, stride))
-    if mode == "relative":
-        return tuple(range(layer - stride, -1, -stride))[::-1]
-    raise ValueError(f"source_mode={mode!r} must be one of {SOURCE_MODES}")
+        sources = set(range(0, layer, stride))
+    elif mode == "relative":
+        sources = set(range(layer - stride, -1, -stride))
+    else:
+        raise ValueError(f"source_mode={mode!r} must be one of {SOURCE_MODES}")
+    if loop_period:
+        sources |= set(range(layer - loop_period, -1, -loop_period))
+    return tuple(sorted(sources))
 
 
 class DepthSchedule:
     """Sources and readers of every layer of an unrolled stack of ``num_layers``."""
 
-    def __init__(self, num_layers: int, stride: int, mode: str = "anchored"):
+    def __init__(self, num_layers: int, stride: int, mode: str = "anchored",
+                 loop_period: Optional[int] = None):
         self.num_layers, self.stride, self.mode = num_layers, stride, mode
-        self._sources = [depth_sources(u, stride, mode) for u in range(num_layers)]
+        self._sources = [depth_sources(u, stride, mode, loop_period) for u in range(num_layers)]
         readers: Dict[int, List[int]] = {}
         for u, sources in enumerate(self._sources):
             for j in sources:
@@ -76,7 +85,9 @@ class DepthSchedule:
     def from_config(cls, config) -> "DepthSchedule":
         cfg = config.mixer
         stride = cfg.stride if cfg.stride is not None else default_stride(config.unrolled_layers)
-        return cls(config.unrolled_layers, stride, cfg.source_mode)
+        looped = cfg.own_loops and config.unrolled_layers > config.num_layers
+        return cls(config.unrolled_layers, stride, cfg.source_mode,
+                   loop_period=config.num_layers if looped else None)
 
     def sources(self, layer: int) -> Tuple[int, ...]:
         return self._sources[layer]
@@ -106,6 +117,11 @@ class DepthAttnConfig(MixerConfig):
     mix_rule: str = "softmax"
     """``softmax`` of ``q̄·k / sqrt(d_h)`` (the paper), or ``uniform`` (plain mean over
     ``{l} ∪ S(l)``; the paper's ablation, table 5)."""
+    own_loops: bool = True
+    """Looped models (``model.n_loops > 1``): a layer also reads the values it produced at
+    its own earlier loops, as the paper's looped Depth-Attention defines them ("the value
+    states it produced at earlier loop steps serve as additional depth sources", Section
+    4.4). False: only the stride's sources over the unrolled depth."""
     mixed_state: str = "value"
     """What the weights mix (table 6): ``value`` (default), ``key`` or ``key_value``. In the
     key modes the sources contribute their raw keys ``k_j`` (see ``docs/methods/depth_attn.md``)."""
@@ -128,7 +144,9 @@ class DepthAttnConfig(MixerConfig):
             raise ConfigError(f"mixer.mixed_state={self.mixed_state!r} must be one of "
                               f"{MIXED_STATES}")
         stride = self.stride if self.stride is not None else default_stride(depth)
-        if not DepthSchedule(depth, stride, self.source_mode).source_layers:
+        looped = self.own_loops and model.n_loops > 1
+        if not DepthSchedule(depth, stride, self.source_mode,
+                             model.num_layers if looped else None).source_layers:
             # every layer would mix over itself only: silently the vanilla model
             raise ConfigError(
                 f"mixer.stride={stride} with mixer.source_mode={self.source_mode} gives no "

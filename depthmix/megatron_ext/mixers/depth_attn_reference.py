@@ -24,15 +24,20 @@ import torch
 import torch.nn.functional as F
 
 
-def reference_sources(layer: int, stride: int, mode: str) -> list:
-    """S(layer) by the definition: anchored ``{j < l : j mod s = 0}``, relative ``{l - ks}``."""
+def reference_sources(layer: int, stride: int, mode: str, stored_layers=None) -> list:
+    """S(layer) by the definition: anchored ``{j < l : j mod s = 0}``, relative ``{l - ks}``;
+    with ``stored_layers = N`` (a looped stack) also every earlier run of the same stored
+    layer, ``{j < l : j mod N = l mod N}``."""
     if mode == "anchored":
-        return [j for j in range(layer) if j % stride == 0]
-    sources, j = [], layer - stride
-    while j >= 0:
-        sources.append(j)
-        j -= stride
-    return sorted(sources)
+        sources = [j for j in range(layer) if j % stride == 0]
+    else:
+        sources, j = [], layer - stride
+        while j >= 0:
+            sources.append(j)
+            j -= stride
+    if stored_layers:
+        sources += [j for j in range(layer) if j % stored_layers == layer % stored_layers]
+    return sorted(set(sources))
 
 
 def _rms_norm(x, weight, eps):
@@ -62,6 +67,7 @@ def reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     h = model.embedding.word_embeddings.weight[input_ids]  # [b, s, d]
     keys, mixed_values = {}, {}  # per unrolled layer: raw keys k_j, mixed values ṽ_j [b,s,ng,hn]
     layers = list(model.decoder.layers)
+    stored = len(layers) if opts.own_loops and config.n_loops > 1 else None
     for loop in range(config.n_loops):
         for i, layer in enumerate(layers):
             u = loop * len(layers) + i
@@ -76,7 +82,7 @@ def reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
             k = torch.stack([_rope(k[:, t], angles[t]) for t in range(s)], dim=1)
 
             # ---- depth attention, position by position, group by group ------------------
-            sources = reference_sources(u, stride, mode)
+            sources = reference_sources(u, stride, mode, stored)
             k_att_rows, v_att_rows = [], []
             for t in range(s):
                 k_row, v_row = [], []

@@ -78,12 +78,30 @@ def test_matches_paper_reference(mode, rule, state, groups, stride, megatron_sin
 
 @pytest.mark.parametrize("mode", SOURCE_MODES)
 @pytest.mark.parametrize("state", ["value", "key_value"])
-def test_looped_matches_paper_reference(mode, state, megatron_single):
+@pytest.mark.parametrize("own_loops", [True, False], ids=["own-loops", "stride-only"])
+def test_looped_matches_paper_reference(mode, state, own_loops, megatron_single):
     """Three loops of a 2-layer stack: sources index the unrolled depth 6 (default stride 3:
-    anchored layers 0 and 3 are sources; a shared layer mixes its own earlier-loop values)."""
-    run = make_run(layers=2, n_loops=3, source_mode=mode, mixed_state=state)
+    anchored layers 0 and 3 are sources); with ``own_loops`` a shared layer also mixes the
+    values it produced at its own earlier loops (the paper's looped Depth-Attention)."""
+    run = make_run(layers=2, n_loops=3, source_mode=mode, mixed_state=state, own_loops=own_loops)
     assert run.mixer.stride == 3
+    schedule = DepthSchedule.from_config(build_model(run).config)
+    for u in range(6):
+        own = {j for j in range(u) if j % 2 == u % 2}
+        stride_only = set(depth_sources(u, 3, mode))
+        assert set(schedule.sources(u)) == (stride_only | own if own_loops else stride_only), u
     check_against_reference(run)
+
+
+def test_looped_own_loop_sources():
+    """Layer 5 of a 2-layer stack looped 3 times is stored layer 1 at loop 2: its earlier
+    runs are unrolled layers 1 and 3; the stride-3 anchored sources add 0 and 3."""
+    assert depth_sources(5, 3, "anchored", loop_period=2) == (0, 1, 3)
+    assert depth_sources(5, 3, "relative", loop_period=2) == (1, 2, 3)
+    assert depth_sources(5, 3, "anchored") == (0, 3)
+    for layer in range(12):
+        assert list(depth_sources(layer, 4, "relative", 3)) == \
+            reference_sources(layer, 4, "relative", 3)
 
 
 # ---- 2. invariants ----------------------------------------------------------------------
