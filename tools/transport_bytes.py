@@ -27,10 +27,9 @@ def main():
 
     from depthmix.config.load import compose_run
     from depthmix.config.megatron import to_transformer_config
-    from depthmix.megatron_ext.depth_state import DepthPlan
     from depthmix.megatron_ext.layout import PipelineLayout
-    from depthmix.megatron_ext.mixers import available, get_mixer
-    from depthmix.megatron_ext.transport import TransportGeometry
+    from depthmix.megatron_ext.mixers import available
+    from depthmix.megatron_ext.transport import geometry_of
 
     names = available() if args.mixers == "all" else args.mixers.split(",")
     print(f"model={args.model} tp={args.tp} pp={args.pp} vp={args.vp} sp={args.sp} "
@@ -47,11 +46,7 @@ def main():
         run = compose_run(*overrides)
         config = to_transformer_config(run)
         layout = PipelineLayout(config.num_layers, args.pp, args.vp or 1)
-        geo = TransportGeometry(
-            plan=DepthPlan(get_mixer(name).plan(config, args.tp), config.unrolled_layers),
-            layout=layout, seq_length=config.seq_length, hidden_size=config.hidden_size,
-            tp=args.tp, sequence_parallel=args.sp,
-        )
+        geo = geometry_of(config, layout, args.tp)
         mib = 2**20
         cells, total = [], 0
         for c in range(1, layout.num_chunks):

@@ -29,7 +29,7 @@ from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthPlan, DepthState
 from depthmix.megatron_ext.layer import HIDDEN
 from depthmix.megatron_ext.layout import PipelineLayout
-from depthmix.megatron_ext.transport import DepthStateCache, DepthTransport, TransportGeometry
+from depthmix.megatron_ext.transport import DepthStateCache, DepthTransport, geometry_of
 
 
 @contextlib.contextmanager
@@ -190,11 +190,8 @@ class DepthMixModel(LanguageModule):
         vp = config.virtual_pipeline_model_parallel_size or 1
         self.layout = PipelineLayout(config.num_layers, pp, vp)
         self.chunk = self.layout.chunk(pp_rank, vp_stage or 0)
-        self.plan = DepthPlan(mixer.plan(config, tp), config.unrolled_layers)
-        self.geometry = TransportGeometry(
-            plan=self.plan, layout=self.layout, seq_length=config.seq_length,
-            hidden_size=config.hidden_size, tp=tp, sequence_parallel=config.sequence_parallel,
-        )
+        self.geometry = geometry_of(config, self.layout, tp)
+        self.plan = self.geometry.plan
         if cache is None:  # not ``cache or ...``: an empty cache has len() 0
             cache = DepthStateCache()
         self.transport = DepthTransport(self.geometry, self.chunk, cache)

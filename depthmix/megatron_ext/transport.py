@@ -122,6 +122,18 @@ class TransportGeometry:
         return adjust
 
 
+def geometry_of(config, layout: PipelineLayout, tp: Optional[int] = None) -> TransportGeometry:
+    """The transport geometry of a model config (its mixer's plan) on ``layout``: the one
+    constructor the model, the accounting, the dry run and the tools use."""
+    from depthmix.megatron_ext.mixers import get_mixer
+
+    tp = tp if tp is not None else config.tensor_model_parallel_size
+    plan = DepthPlan(get_mixer(config.mixer.name).plan(config, tp), config.unrolled_layers)
+    return TransportGeometry(plan=plan, layout=layout, seq_length=config.seq_length,
+                             hidden_size=config.hidden_size, tp=tp,
+                             sequence_parallel=config.sequence_parallel)
+
+
 class _Slot:
     """A cached entry of one micro-batch and the leaves later chunks read it through."""
 

@@ -303,7 +303,7 @@ def estimate(run: RunConfig, world_size: int) -> List[RankEstimate]:
                 params += x.vocab * x.hidden // tp + extra.stem
             if last:
                 params += x.vocab * x.hidden // tp + x.hidden + extra.head
-            elif geometry is not None:
+            else:
                 payload = max(payload, geometry.payload_bytes(c + 1, t.micro_batch_size,
                                                               act_bytes))
             chunks.append({"chunk": c, "layers": layers, "embedding": first, "head": last})
@@ -326,18 +326,10 @@ def estimate(run: RunConfig, world_size: int) -> List[RankEstimate]:
 
 
 def _geometry(run: RunConfig, config, layout):
-    """The transport's geometry (what crosses each stage boundary), or None if unavailable."""
-    try:
-        from depthmix.megatron_ext.depth_state import DepthPlan
-        from depthmix.megatron_ext.transport import TransportGeometry
+    """The transport's geometry: what crosses each stage boundary."""
+    from depthmix.megatron_ext.transport import geometry_of
 
-        p = run.parallel
-        plan = DepthPlan(_mixer(run).plan(config, p.tp), config.unrolled_layers)
-        return TransportGeometry(plan=plan, layout=layout, seq_length=config.seq_length,
-                                 hidden_size=config.hidden_size, tp=p.tp,
-                                 sequence_parallel=p.sequence_parallel)
-    except Exception:  # an estimate must not fail on a mixer's plan
-        return None
+    return geometry_of(config, layout, run.parallel.tp)
 
 
 def total_params(run: RunConfig) -> int:

@@ -314,6 +314,23 @@ def extra_flops_per_token(config) -> int:
     return 4 * config.hidden_size * sum(len(geo.sources(i)) for i in range(1, geo.head + 1))
 
 
+def extra_io_per_token(config) -> int:
+    """Activation elements read and written per token beyond vanilla (whole model, ``d``
+    hidden): every read ``i`` (each sublayer, then the head) reads its ``S_i`` sources and
+    writes the aggregate, ``(S_i + 1) d``; Block AttnRes's partial-sum adds (every sublayer
+    but a block's first) read two and write one, ``3d`` each, as the vanilla residual adds
+    they replace (``3d`` for each of the ``N`` sublayers)::
+
+        sum_i (S_i + 1) d + 3d (N - blocks) - 3d N
+
+    (the paper's Appendix B.4 counting: block states read and outputs written, less the
+    vanilla residual traffic; ``blocks = N`` for Full AttnRes, which has no partial sums)."""
+    geo = AttnResGeometry.from_config(config)
+    d, n = config.hidden_size, geo.num_sublayers
+    reads = sum(len(geo.sources(i)) + 1 for i in range(1, geo.head + 1)) * d
+    return reads + 3 * d * (n - geo.num_blocks) - 3 * d * n
+
+
 def extra_params(config, tp: int = 1) -> ExtraParams:
     """A read's pseudo-query ``w`` and key-norm gain, ``2d`` (replicated): two reads per
     stored layer (attention, MLP; shared by a looped layer's loops), one in the head."""
@@ -323,8 +340,10 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
 
 MIXER_FULL = Mixer(name="attnres_full", config_cls=AttnResConfig,
                    model_spec=get_attnres_model_spec, plan=attnres_plan,
-                   extra_flops_per_token=extra_flops_per_token, extra_params=extra_params)
+                   extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
+                   extra_params=extra_params)
 MIXER_BLOCK = Mixer(name="attnres_block", config_cls=BlockAttnResConfig,
                     model_spec=get_attnres_model_spec, plan=attnres_plan,
-                    extra_flops_per_token=extra_flops_per_token, extra_params=extra_params)
+                    extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
+                   extra_params=extra_params)
 MIXERS = {m.name: m for m in (MIXER_FULL, MIXER_BLOCK)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.depth_state import STEM, Entry
@@ -78,6 +78,19 @@ class Mixer:
     (``mixer.short_swa_window``) is *not* included: the accounting adds it once, for every
     mixer. Each hook documents its closed form. Training accounting counts 3x (forward +
     backward); see ``depthmix.pretrain.accounting``. Used for the logged TFLOP/s and MFU."""
+    extra_io_per_token: Callable = lambda config: 0.0
+    """``(DepthMixConfig) -> float``: activation *elements* the method reads and writes per
+    token in a forward pass beyond the vanilla decoder, whole model (the counting of the
+    Depth-Attention paper's Appendix B: reads of depth sources and writes of what the method
+    produces, less the vanilla residual traffic it replaces; bytes = elements x activation
+    size). Each hook documents its closed form."""
+    extra_state_per_token: Optional[Callable] = None
+    """``(DepthMixConfig) -> float``: elements per token the method holds beyond the vanilla
+    KV cache and residual stream while a context is prefilled (the paper's "extra prefill
+    memory"). None: derived from the plan (:func:`plan_state_per_token`: the most depth
+    state live across a layer boundary, less the one residual stream), which is right for
+    hidden-state methods; attention-side methods whose entries are KV-cache slots override
+    it."""
     extra_params: Callable = lambda config, tp=1: NO_EXTRA_PARAMS
     """``(DepthMixConfig, tp) -> ExtraParams``: parameters the method adds to the vanilla
     model, as one tensor-parallel rank of ``tp`` holds them (TP-sharded ones divided by
@@ -102,3 +115,23 @@ def mark_mixing_parameter(param, config) -> None:
     sequence parallelism (all-reduced over TP), and they are excluded from weight decay."""
     param.sequence_parallel = config.sequence_parallel
     param.no_weight_decay = True
+
+
+def plan_state_per_token(config, plan_entries) -> int:
+    """Elements per token of the most depth state live across any layer boundary (one
+    TP rank of one, the whole hidden), less the vanilla residual stream's ``hidden_size``."""
+    from math import prod
+
+    from depthmix.megatron_ext.depth_state import DepthPlan
+
+    plan = DepthPlan(plan_entries, config.unrolled_layers)
+    most = max(sum(prod(e.shape) for e in plan.live_at(b))
+               for b in range(config.unrolled_layers + 1))
+    return most - config.hidden_size
+
+
+def state_per_token(mixer: "Mixer", config) -> float:
+    """The mixer's ``extra_state_per_token``, or the plan-derived default."""
+    if mixer.extra_state_per_token is not None:
+        return float(mixer.extra_state_per_token(config))
+    return float(plan_state_per_token(config, mixer.plan(config, 1)))

@@ -195,6 +195,20 @@ def extra_flops_per_token(config) -> int:
     return 2 * config.unrolled_layers * (8 * h * dv + 2 * h) + 2 * h * dv
 
 
+def extra_io_per_token(config) -> int:
+    """Activation elements read and written per token beyond vanilla (whole model; ``h``
+    hidden, ``d_v`` value channels), per sublayer: the read ``X r`` reads ``X`` (``h d_v``) and
+    writes ``x_in`` (``h``); the delta update reads ``X`` and writes it (``2 h d_v``): ``3 h d_v
+    + h`` less the vanilla residual add it replaces (``3h``). Plus the stem's replication and
+    the head's readout, ``h (d_v + 1)`` each::
+
+        2L (3 h d_v - 2h) + 2 h (d_v + 1)
+
+    (``k``, ``beta`` and ``v`` are ``O(h + d_v)`` per sublayer and left out.)"""
+    h, dv = config.hidden_size, config.mixer.value_channels
+    return 2 * config.unrolled_layers * (3 * h * dv - 2 * h) + 2 * h * (dv + 1)
+
+
 def extra_params(config, tp: int = 1) -> ExtraParams:
     """Per sublayer (two per stored layer), replicated: read vector ``d_v``, ``w_beta`` ``h``,
     ``b_beta`` 1, ``W_v`` ``d_v x h``, ``b_v`` ``d_v``: ``(d_v + 1) h + 2 d_v + 1``; the head's
@@ -204,4 +218,5 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
 
 
 MIXER = Mixer(name="ddl", config_cls=DDLConfig, model_spec=get_ddl_model_spec, plan=ddl_plan,
-              extra_flops_per_token=extra_flops_per_token, extra_params=extra_params)
+              extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
+              extra_params=extra_params)

@@ -204,6 +204,18 @@ def extra_flops_per_token(config) -> int:
                                         if geo.has_dwa(i))
 
 
+def extra_io_per_token(config) -> int:
+    """Activation elements read and written per token beyond vanilla (whole model, ``d``
+    hidden): each DWA reads its ``|S(i)|`` sources and writes the average::
+
+        sum over the blocks i with a DWA of (|S(i)| + 1) d
+
+    (the paper's Appendix B.3; ``d (L (L + 5) / 2)`` for ``1 x 1``). The residual adds stay."""
+    geo = DWAGeometry.from_config(config)
+    return config.hidden_size * sum(len(geo.sources(i)) + 1
+                                    for i in range(1, geo.num_blocks + 1) if geo.has_dwa(i))
+
+
 def extra_params(config, tp: int = 1) -> ExtraParams:
     """The DWA weights ``alpha_i`` (``|S(i)|`` scalars, replicated), held by the stored
     layer applied at depth ``i``: stored layer ``u`` owns depths ``t * num_layers + u + 1``
@@ -217,4 +229,5 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
 
 MIXER = Mixer(name="denseformer", config_cls=DenseFormerConfig,
               model_spec=get_denseformer_model_spec, plan=denseformer_plan,
-              extra_flops_per_token=extra_flops_per_token, extra_params=extra_params)
+              extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
+              extra_params=extra_params)

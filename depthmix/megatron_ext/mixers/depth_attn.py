@@ -274,6 +274,23 @@ def extra_flops_per_token(config) -> int:
     return total
 
 
+def extra_io_per_token(config) -> int:
+    """Activation elements read and written per token beyond vanilla (whole model): per
+    layer ``l`` with ``n_l = |S(l)| > 0`` sources and ``d_kv = ng * hn``, the source keys
+    (softmax rule or key mixing) and source values (value mixing) read, and the mixed
+    tensors written, ``(n_l (c_k + c_v) + m_k + m_v) d_kv`` -- the paper's Appendix B.2
+    ``(2 n_l + 1) d_kv`` for its value mixing. Nothing is kept: the mixed value takes the
+    value's KV-cache slot, so the extra prefill state is 0."""
+    cfg = config.mixer
+    schedule = DepthSchedule.from_config(config)
+    d_kv = config.num_query_groups * config.kv_channels
+    per_source = int(cfg.carries_keys) + int(cfg.mixes_values)
+    written = int(cfg.mixes_keys) + int(cfg.mixes_values)
+    return sum((len(schedule.sources(u)) * per_source + written) * d_kv
+               for u in range(config.unrolled_layers) if schedule.sources(u))
+
+
 MIXER = Mixer(name="depth_attn", config_cls=DepthAttnConfig,
               model_spec=get_depth_attn_model_spec, plan=depth_attn_plan,
-              extra_flops_per_token=extra_flops_per_token)
+              extra_flops_per_token=extra_flops_per_token,
+              extra_io_per_token=extra_io_per_token, extra_state_per_token=lambda config: 0)

@@ -217,6 +217,20 @@ def extra_flops_per_token(config) -> int:
     return 2 * config.unrolled_layers * sublayer + 2 * n * h
 
 
+def extra_io_per_token(config) -> int:
+    """Activation elements read and written per token beyond vanilla (whole model; ``n``
+    streams, ``h`` hidden), per sublayer: the coefficients and ``H_pre X`` each read ``X``
+    (``2nh``) and write ``x_in`` (``h``); the post/res update reads ``X`` and ``F(x_in)`` and
+    writes ``X`` (``2nh + h``): ``4nh + 2h``, less the vanilla residual add it replaces
+    (read ``h`` and ``y``, write ``h``: ``3h``). Plus the stem's copy into ``n`` streams and
+    the head's mean, ``(n + 1) h`` each::
+
+        2L (4nh - h) + 2 (n + 1) h
+    """
+    n, h = config.mixer.streams, config.hidden_size
+    return 2 * config.unrolled_layers * (4 * n * h - h) + 2 * (n + 1) * h
+
+
 def extra_params(config, tp: int = 1) -> ExtraParams:
     """Per sublayer (two per stored layer), replicated: ``phi`` ``n h x m``, the gates
     (3; 2 for ``identity``) and the static biases ``m``. Stem and head have none."""
@@ -228,4 +242,5 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
 
 
 MIXER = Mixer(name="mhc", config_cls=MHCConfig, model_spec=get_mhc_model_spec, plan=mhc_plan,
-              extra_flops_per_token=extra_flops_per_token, extra_params=extra_params)
+              extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
+              extra_params=extra_params)

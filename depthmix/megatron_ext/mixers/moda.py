@@ -50,11 +50,12 @@ from depthmix.kernels.moda_attention import get_moda_attention, moda_depth_weigh
 from depthmix.megatron_ext.attention import DepthMixSelfAttention, SDPACoreAttention, causal_sdpa
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthState, Entry
-from depthmix.megatron_ext.layer import StateHook
+from depthmix.megatron_ext.layer import HIDDEN, StateHook
 from depthmix.megatron_ext.mixers.base import (
     ExtraParams,
     Mixer,
     MixerConfig,
+    plan_state_per_token,
     residual_stream_entry,
 )
 from depthmix.megatron_ext.model import seeded_init
@@ -387,6 +388,32 @@ def extra_flops_per_token(config) -> int:
     return projected * 4 * h * ng * hn + depth * 4 * heads * hn
 
 
+def extra_io_per_token(config) -> int:
+    """Activation elements read and written per token beyond vanilla (whole model;
+    ``d_kv = H_kv d_h``): each layer reads the keys and values of its ``D_l`` visible depth
+    entries (``2 D_l d_kv``) and every computed projection writes one entry (``2 d_kv``)::
+
+        2 d_kv (sum_l D_l + projected entries)
+
+    Reused attention entries are the layer's own sequence keys/values, written anyway."""
+    geo = MoDAGeometry.from_config(config)
+    d_kv = config.num_query_groups * config.kv_channels
+    projected = sum(1 for s in geo.stored_sources() if _projects(config, s.kind))
+    depth = sum(len(geo.visible(layer)) for layer in range(geo.unrolled))
+    return 2 * d_kv * (depth + projected)
+
+
+def extra_state_per_token(config) -> int:
+    """Elements per token held beyond vanilla while prefilling: the *projected* depth
+    entries (keys and values, ``2 d_kv`` each) live across a layer boundary at most at once;
+    reused attention entries are KV-cache slots (0 extra). From the plan, restricted to them."""
+    geo = MoDAGeometry.from_config(config)
+    names = {n for s in geo.stored_sources() if _projects(config, s.kind) for n in s.entry_names()}
+    entries = moda_plan(config, 1)
+    kept = [e for e in entries if e.name in names or e.name == HIDDEN]
+    return plan_state_per_token(config, kept)
+
+
 def extra_params(config, tp: int = 1) -> ExtraParams:
     """Per stored layer, each depth KV projection it owns (one whose entry some unrolled
     application writes and a later layer reads, see :meth:`MoDAGeometry.has_projection`):
@@ -405,4 +432,5 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
 
 MIXER = Mixer(name="moda", config_cls=MoDAConfig, model_spec=get_moda_model_spec,
               plan=moda_plan, extra_flops_per_token=extra_flops_per_token,
+              extra_io_per_token=extra_io_per_token, extra_state_per_token=extra_state_per_token,
               extra_params=extra_params)
