@@ -131,6 +131,15 @@ def test_full_shapes_moda_attention(monkeypatch):
     bench, cases = _fake_full_cases("moda_attention", monkeypatch)
     assert {(s.t, s.g, s.dtype) for s in bench.shapes(False)} == {
         (t, g, torch.bfloat16) for t in FULL_T for g in (1, 4, 8)}
+    paper = [c for c in cases if c.shape.startswith("moda/paper")]
+    cases = [c for c in cases if not c.shape.startswith("moda/paper")]
+    # the MoDA paper's kernel table, row by row: T, G, KV heads 8, head dim 64, depth L
+    assert len(paper) == len(bench.PAPER_ROWS) == 11
+    for case, (row, t, g, hq, hk, depth, fa2, moda) in zip(paper, bench.PAPER_ROWS):
+        q, k, v, dk, dv = _inputs(case)
+        assert (q.shape[0], q.shape[2], k.shape[2], q.shape[3], dk.shape[3]) == \
+            (t, hq, hk, 64, depth)
+        assert f"(paper x{moda / fa2:.3f})" in case.shape and "torch" not in case.candidates
     seen = set()
     for case in cases:
         assert case.baseline == "sdpa" and "ours" in case.candidates

@@ -25,6 +25,13 @@ layer; the last layer reads 94. (The presets' own heads are 64 wide.) The depth 
 contiguous leaves, as the mixer's ``torch.stack`` of its entries makes them (the stack's
 copy is not timed).
 
+* ``moda/paper``: the rows of the MoDA paper's kernel table (A100, bf16, forward+backward,
+  ``B = 1``, ``d = 64``, chunk 64): ``T`` 4K-64K at ``G = 8``, the ``G`` sweep 2-32 at 16K and
+  the depth sweep ``L = 64, 128, 256`` at 16K, ``H_k = 8`` KV heads throughout. Its ``L`` is
+  the depth entries a row reads. Each label carries the paper's own MoDA/FA2-Triton ratio
+  (``paper x1.259``) so a GPU run sets ours beside it row by row; no reference candidates
+  (the materialised scores would not fit).
+
 Without CUDA one smoke shape runs (fp32, ``ours`` only through the Triton interpreter,
 ``compile`` left out: Inductor's CPU build takes minutes here and says nothing about GPUs).
 """
@@ -60,6 +67,29 @@ def depth_entries(num_layers: int = NUM_LAYERS) -> int:
 
     geo = MoDAGeometry(num_layers, 1, ffn_kv_proj=True, depth_window=None)
     return len(geo.visible(num_layers // 2))
+
+
+# MoDA paper, kernel efficiency table: (row, T, G, H_q, H_k, L, FA2-Triton ms, MoDA-Triton ms)
+PAPER_ROWS = (
+    (1, 4096, 8, 64, 8, 64, 7.970, 10.750),
+    (2, 8192, 8, 64, 8, 64, 28.700, 35.427),
+    (3, 16384, 8, 64, 8, 64, 116.700, 127.661),
+    (4, 32768, 8, 64, 8, 64, 459.854, 480.914),
+    (5, 65536, 8, 64, 8, 64, 1831.668, 1883.026),
+    (6, 16384, 2, 16, 8, 64, 28.982, 39.741),
+    (7, 16384, 4, 32, 8, 64, 58.071, 68.939),
+    (9, 16384, 16, 128, 8, 64, 233.700, 244.900),
+    (10, 16384, 32, 256, 8, 64, 467.107, 480.767),
+    (12, 16384, 8, 64, 8, 128, 116.700, 138.224),
+    (13, 16384, 8, 64, 8, 256, 116.700, 167.958),
+)
+"""Rows 8 and 11 repeat row 3 in the paper and are left out."""
+PAPER_HEAD_DIM = 64
+
+
+def paper_shapes() -> list:
+    return [Shape(t, hq, g, PAPER_HEAD_DIM, depth, torch.bfloat16)
+            for _, t, g, hq, _, depth, _, _ in PAPER_ROWS]
 
 
 def shapes(smoke: bool) -> list:
@@ -120,4 +150,12 @@ def cases(smoke: bool) -> list:
         if fla is not None:
             out.append(Case("moda_attention", f"moda/fla {label}", make,
                             {"fla": _plain(fla), **ours}, baseline="fla"))
+    if not (smoke or not cuda):
+        for row, shape in zip(PAPER_ROWS, paper_shapes()):
+            paper = row[7] / row[6]
+            plain = {"fla": _plain(fla)} if fla is not None else {"sdpa": _plain(causal_sdpa)}
+            out.append(Case("moda_attention",
+                            f"moda/paper row {row[0]} {_label(shape)} (paper x{paper:.3f})",
+                            _inputs(shape, device), {**plain, **ours},
+                            baseline=next(iter(plain))))
     return out
