@@ -323,22 +323,22 @@ class _Outputs:
     def __init__(self, output_prefix: str, dtype: type, split_by: Optional[str]):
         self.output_prefix, self.dtype, self.split_by = output_prefix, dtype, split_by
         self._tmp = f"{output_prefix}.tmp{os.getpid()}"
-        self.builders: dict[Optional[str], TokenFileWriter] = {}
+        self.writers: dict[Optional[str], TokenFileWriter] = {}
         self.tmp_prefixes: dict[Optional[str], str] = {}
         self.stats: dict[Optional[str], SplitStats] = {}
         self.written: list[str] = []  # temporary files, for clean-up
 
     def add(self, value: Optional[str], array: np.ndarray) -> None:
-        builder = self.builders.get(value)
-        if builder is None:
-            if len(self.builders) >= MAX_SPLITS:
+        writer = self.writers.get(value)
+        if writer is None:
+            if len(self.writers) >= MAX_SPLITS:
                 raise InputError(f"--split-by {self.split_by}: more than {MAX_SPLITS} distinct "
                                  "values; is it the right field?")
-            tmp = self.tmp_prefixes[value] = f"{self._tmp}.{len(self.builders)}"
+            tmp = self.tmp_prefixes[value] = f"{self._tmp}.{len(self.writers)}"
             self.written.append(tmp + ".bin")
-            builder = self.builders[value] = TokenFileWriter(tmp + ".bin", self.dtype)
+            writer = self.writers[value] = TokenFileWriter(tmp + ".bin", self.dtype)
             self.stats[value] = SplitStats(value)
-        builder.add_document(array)
+        writer.add_document(array)
         self.stats[value].documents += 1
         self.stats[value].tokens += array.size
 
@@ -347,13 +347,13 @@ class _Outputs:
         if self.split_by is None:
             finals = {None: self.output_prefix}
         else:
-            names = _split_names(list(self.builders))
-            finals = {v: f"{self.output_prefix}_{names[v]}" for v in self.builders}
+            names = _split_names(list(self.writers))
+            finals = {v: f"{self.output_prefix}_{names[v]}" for v in self.writers}
             for v, name in names.items():
                 self.stats[v].name = name
-        for value, builder in self.builders.items():
+        for value, writer in self.writers.items():
             self.written.append(self.tmp_prefixes[value] + ".idx")
-            builder.finalize(self.tmp_prefixes[value] + ".idx")
+            writer.finalize(self.tmp_prefixes[value] + ".idx")
         for path in self.written:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
@@ -365,8 +365,8 @@ class _Outputs:
         return sorted(self.stats.values(), key=lambda s: (s.value is not None, s.value or ""))
 
     def discard(self) -> None:
-        for builder in self.builders.values():
-            builder.close()
+        for writer in self.writers.values():
+            writer.close()
         for path in self.written:
             if os.path.exists(path):
                 os.remove(path)
