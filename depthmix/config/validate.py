@@ -105,11 +105,12 @@ def validate(run: RunConfig, world_size: Optional[int] = None) -> None:
                  "data.tokenizer (a tokenizers JSON file) is required with data.prefixes")
         import os
 
-        for item in d.prefixes:
+        from depthmix.data.integrity import check_prefix
+
+        for i, item in enumerate(d.prefixes):
             if isinstance(item, (int, float)):
                 continue
-            _require(os.path.exists(f"{item}.bin") and os.path.exists(f"{item}.idx"),
-                     f"data.prefixes: {item}.bin/.idx not found")
+            check_prefix(os.path.expanduser(str(item)), f"data.prefixes[{i}]", deep=False)
         _require(os.path.exists(d.tokenizer), f"data.tokenizer={d.tokenizer} not found")
     else:
         _require(d.name == "embedded",

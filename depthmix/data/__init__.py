@@ -2,7 +2,10 @@
 
 * :func:`build_data` (``datasets.py``) - the trainer's entry point: tokenizer and the
   train/validation micro-batch iterators of one data-parallel rank.
-* ``depthmix-preprocess`` (``preprocess.py``) - jsonl/jsonl.zst -> Megatron ``.bin/.idx``.
+* ``depthmix-preprocess`` (``preprocess.py``) - jsonl/jsonl.zst -> Megatron ``.bin/.idx``
+  (one prefix per domain with ``--split-by``).
+* :func:`~depthmix.data.integrity.check_prefix` (``integrity.py``) - is a ``.bin/.idx``
+  pair whole and consistent; read from the files, without Megatron.
 * :class:`HFTokenizer` (``tokenizer.py``) - a ``tokenizers`` JSON file with the interface
   Megatron's GPTDataset and the trainer use.
 * ``corpus.py`` - the procedurally generated English corpus used when no data is given.

@@ -201,13 +201,20 @@ def parse_blend(prefixes: list[Any]) -> tuple[list[str], Optional[list[float]]]:
     return [str(p) for p in paths], w
 
 
-def _check_prefixes(paths: list[str]) -> list[str]:
+def _check_prefixes(paths: list[str], weighted: bool, tokenizer: HFTokenizer) -> list[str]:
+    """Absolute prefixes, each checked by :func:`~depthmix.data.integrity.check_prefix`.
+
+    Every rank runs the constant-time checks; the pass over each ``.idx`` and the token-id
+    sample run once (rank 0, or the only process)."""
+    from depthmix.data.integrity import check_prefix
+
+    deep = not _distributed() or torch.distributed.get_rank() == 0
     out = []
-    for p in paths:
+    for i, p in enumerate(paths):
         p = os.path.abspath(os.path.expanduser(p))
-        if not (os.path.isfile(p + ".bin") and os.path.isfile(p + ".idx")):
-            raise ConfigError(f"data.prefixes: {p}.bin/.idx not found "
-                              "(make them with depthmix-preprocess)")
+        option = f"data.prefixes[{2 * i + 1 if weighted else i}]"
+        check_prefix(p, option, tokenizer.vocab_size, deep=deep,
+                     vocab_source="data.tokenizer")
         out.append(p)
     return out
 
@@ -377,8 +384,8 @@ def build_data(run: RunConfig, dp_rank: int, dp_size: int, consumed_train_sample
             raise ConfigError("data.tokenizer (a tokenizers JSON file) is required with "
                               "data.prefixes")
         paths, weights = parse_blend(d.prefixes)
-        paths = _check_prefixes(paths)
         tokenizer = load_tokenizer(d.tokenizer, "data.tokenizer", run.model.vocab_size)
+        paths = _check_prefixes(paths, weights is not None, tokenizer)
     else:
         if d.name != "embedded":
             raise ConfigError(f"data={d.name} has no data.prefixes: give "

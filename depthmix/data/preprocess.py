@@ -6,19 +6,28 @@
 Every input line is a JSON object; its ``--json-key`` field (default ``text``) is one
 document. Documents are tokenised with the ``tokenizers`` JSON file given by path, the
 end-of-document id is appended to each, and they are written in input order (files sorted
-by name, lines in file order) with Megatron's ``IndexedDatasetBuilder``: one sequence per
-document, tokens as uint16 when the vocabulary fits (else int32). Files are streamed
+by name, lines in file order) in Megatron-Core's ``IndexedDataset`` format (see
+:mod:`depthmix.data.integrity`): one sequence per document, tokens as uint16 when the
+vocabulary fits (else int32). Files are streamed
 (``.zst`` and ``.gz`` decompressed on the fly), so memory does not grow with file size.
-The outputs appear atomically: ``PREFIX.bin`` and ``PREFIX.idx`` are written under
-temporary names and renamed when complete.
 
-This module imports neither torch nor Megatron at the top level, so worker processes
-start quickly.
+``--split-by KEY.PATH`` (e.g. ``meta.pile_set_name``) writes one prefix per value of that
+field instead, ``PREFIX_<value>``, and a manifest ``PREFIX.manifest.json`` listing them.
+
+Bad input stops the run with the file (and line) named: a compressed file that ends inside
+a frame, a line that is not UTF-8 or not JSON, a missing field, or no documents at all.
+The outputs appear atomically: everything is written under temporary names and renamed
+only when the whole run succeeded, so a failed run leaves no ``.bin/.idx`` behind.
+
+This module imports neither torch nor Megatron (the files are written by
+:class:`TokenFileWriter`, not Megatron's ``IndexedDatasetBuilder``, whose import costs
+seconds and whose per-document Python lists cost memory), so it starts quickly.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import glob
 import gzip
@@ -27,12 +36,36 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
+import struct
 import sys
 import time
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
+
+from depthmix.data.integrity import DTYPES, INDEX_MAGIC, INDEX_VERSION
+
+MAX_SPLITS = 1000
+"""More distinct ``--split-by`` values than this is an error (a wrong key, most likely)."""
+
+
+class InputError(ValueError):
+    """Input that cannot be preprocessed; the message names the file (and line)."""
+
+
+@dataclass
+class SplitStats:
+    """One output prefix: the ``--split-by`` value it holds (None without ``--split-by``)."""
+
+    value: Optional[str]
+    prefix: str = ""
+    name: str = ""
+    """The file-name form of ``value`` (:func:`split_name`): ``prefix`` ends with it."""
+    documents: int = 0
+    tokens: int = 0
 
 
 @dataclass
@@ -42,6 +75,9 @@ class PreprocessStats:
     tokens: int = 0
     empty_skipped: int = 0
     seconds: float = 0.0
+    outputs: list[SplitStats] = field(default_factory=list)
+    manifest: Optional[str] = None
+    """``PREFIX.manifest.json`` with ``--split-by``."""
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[str]:
@@ -60,27 +96,83 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     return files
 
 
-def open_text(path: str) -> io.TextIOBase:
-    """A streaming text reader for ``.jsonl``, ``.jsonl.zst`` and ``.jsonl.gz`` files."""
-    if path.endswith(".zst"):
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a ``.zst`` file, frame after frame.
+
+    zstandard's ``stream_reader`` reports a file cut inside a frame as a clean (early) end
+    of data, so a truncated shard would silently lose its tail; this reader raises
+    ``EOFError`` instead.
+    """
+
+    READ_BYTES = 1 << 18
+
+    def __init__(self, path: str):
         import zstandard
 
-        raw = open(path, "rb")
+        self._zstd = zstandard
+        self._raw = open(path, "rb")
         # The Pile's shards were written with long-distance windows; allow them.
-        reader = zstandard.ZstdDecompressor(max_window_size=2**31).stream_reader(
-            raw, closefd=True)
-        return io.TextIOWrapper(reader, encoding="utf-8")
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=2**31)
+        self._frame = None  # decompressobj of the frame being read
+        self._unused = b""  # compressed bytes after the end of the last frame
+        self._out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def _decompress_more(self) -> bool:
+        data = self._unused or self._raw.read(self.READ_BYTES)
+        self._unused = b""
+        if not data:
+            if self._frame is not None:
+                raise EOFError("the file ends inside a zstd frame (truncated?)")
+            return False
+        if self._frame is None:
+            self._frame = self._dctx.decompressobj()
+        try:
+            self._out = memoryview(self._frame.decompress(data))
+        except self._zstd.ZstdError as e:
+            raise EOFError(f"damaged zstd data ({e})") from None
+        if self._frame.eof:
+            self._unused, self._frame = self._frame.unused_data, None
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not len(self._out):
+            if not self._decompress_more():
+                return 0
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def open_binary(path: str) -> io.BufferedIOBase:
+    """A streaming binary reader of ``.jsonl``, ``.jsonl.zst`` and ``.jsonl.gz`` files;
+    a compressed file that ends early raises ``EOFError``."""
+    if path.endswith(".zst"):
+        return io.BufferedReader(_ZstdFrames(path), buffer_size=1 << 20)
     if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
+        return gzip.open(path, "rb")
+    return open(path, "rb")
 
 
-def _iter_lines(files: Sequence[str]) -> Iterator[tuple[str, int, str]]:
+def _iter_lines(files: Sequence[str]) -> Iterator[tuple[str, int, bytes]]:
+    """(file, line number, raw line) of every non-blank line, decompressed."""
     for path in files:
-        with open_text(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield path, lineno, line
+        lineno = 0
+        try:
+            with open_binary(path) as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield path, lineno, line
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise InputError(f"{path}: truncated or damaged compressed file, after line "
+                             f"{lineno} of its text: {e}") from None
 
 
 def _chunks(it, size: int):
@@ -95,7 +187,8 @@ def _chunks(it, size: int):
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_path: str, json_key: str, in_pool: bool = True) -> None:
+def _init_worker(tokenizer_path: str, json_key: str, in_pool: bool = True,
+                 split_by: Optional[str] = None) -> None:
     if in_pool:
         # Each worker process tokenises sequentially; parallelism comes from the processes.
         # (In-process, ``encode_batch`` keeps its own threads.)
@@ -103,31 +196,50 @@ def _init_worker(tokenizer_path: str, json_key: str, in_pool: bool = True) -> No
     from depthmix.data.tokenizer import HFTokenizer
 
     _WORKER["tok"] = HFTokenizer(tokenizer_path)
+    _WORKER["dtype"] = token_dtype(_WORKER["tok"].vocab_size)
     _WORKER["key"] = json_key
+    _WORKER["split_by"] = split_by
 
 
-def _encode_chunk(chunk: list[tuple[str, int, str]]) -> list[Optional[np.ndarray]]:
-    """Token arrays (EOD appended) for a chunk of lines; None for an empty document."""
-    tok, key = _WORKER["tok"], _WORKER["key"]
-    texts = []
-    for path, lineno, line in chunk:
+def _split_value(record: dict, dotted: str, where: str) -> str:
+    value = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise InputError(f"{where}: no {dotted!r} field (--split-by)")
+        value = value[part]
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise InputError(f"{where}: field {dotted!r} is {type(value).__name__}, not a string "
+                         "(--split-by)")
+    return str(value)
+
+
+def _encode_chunk(chunk: list[tuple[str, int, bytes]]
+                  ) -> list[tuple[Optional[str], Optional[np.ndarray]]]:
+    """(split value, token array with EOD appended) per line; array None for an empty
+    document; split value None without ``--split-by``."""
+    tok, key, split_by = _WORKER["tok"], _WORKER["key"], _WORKER["split_by"]
+    texts, values = [], []
+    for path, lineno, raw in chunk:
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{path}:{lineno}: not valid UTF-8 (byte {e.start + 1} of the "
+                             f"line: {e.reason})") from None
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            raise InputError(f"{path}:{lineno}: not valid JSON ({e})") from None
         if not isinstance(record, dict) or key not in record:
-            raise ValueError(f"{path}:{lineno}: no {key!r} field (set --json-key)")
+            raise InputError(f"{path}:{lineno}: no {key!r} field (set --json-key)")
         text = record[key]
         if not isinstance(text, str):
-            raise ValueError(f"{path}:{lineno}: field {key!r} is {type(text).__name__}, "
+            raise InputError(f"{path}:{lineno}: field {key!r} is {type(text).__name__}, "
                              "not a string")
         texts.append(text)
-    out: list[Optional[np.ndarray]] = []
-    for ids in tok.encode_batch(texts):
-        if not ids:
-            out.append(None)
-        else:
-            out.append(np.asarray(ids + [tok.eod], dtype=np.int64))
+        values.append(_split_value(record, split_by, f"{path}:{lineno}") if split_by else None)
+    out: list[tuple[Optional[str], Optional[np.ndarray]]] = []
+    for value, ids in zip(values, tok.encode_batch(texts)):
+        out.append((value, np.asarray(ids + [tok.eod], dtype=_WORKER["dtype"]) if ids else None))
     return out
 
 
@@ -152,23 +264,167 @@ def token_dtype(vocab_size: int) -> type:
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
 
 
-def preprocess(inputs: Sequence[str], tokenizer: str, output_prefix: str, json_key: str = "text",
-               workers: int = 1, chunk_size: int = 256, progress: bool = True
-               ) -> PreprocessStats:
-    """Tokenise ``inputs`` (paths/globs) into ``output_prefix.bin/.idx``; return counts."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+class TokenFileWriter:
+    """Writes a ``.bin/.idx`` pair in Megatron-Core's ``IndexedDataset`` format, one
+    sequence per document, as its ``IndexedDatasetBuilder`` does (``add_document`` with one
+    length, then ``finalize``); lengths are kept as int32, 4 bytes per document."""
 
+    def __init__(self, bin_path: str, dtype: type):
+        self.dtype = np.dtype(dtype)
+        self.code = next(c for c, t in DTYPES.items() if np.dtype(t) == self.dtype)
+        self.data_file = open(bin_path, "wb")
+        self.lengths = array.array("i")
+
+    def add_document(self, tokens: np.ndarray) -> None:
+        self.data_file.write(np.asarray(tokens, dtype=self.dtype).tobytes())
+        self.lengths.append(len(tokens))
+
+    def close(self) -> None:
+        self.data_file.close()
+
+    def finalize(self, idx_path: str) -> None:
+        self.close()
+        lengths = np.frombuffer(self.lengths, dtype=np.int32)
+        count = len(lengths)
+        pointers = np.zeros(count, dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        with open(idx_path, "wb") as f:
+            f.write(INDEX_MAGIC + struct.pack("<QBQQ", INDEX_VERSION, self.code, count,
+                                              count + 1))
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(np.arange(count + 1, dtype=np.int64).tobytes())  # document boundaries
+
+
+def split_name(value: str) -> str:
+    """A file-name-safe form of a ``--split-by`` value: ``Gutenberg (PG-19)`` ->
+    ``Gutenberg_PG-19``, ``Wikipedia (en)`` -> ``Wikipedia_en``."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", value).strip("._")[:100]
+    return name or "_"
+
+
+def _split_names(values: Sequence[str]) -> dict[str, str]:
+    """:func:`split_name` of each value; values whose names collide all get a hash suffix
+    (so the names do not depend on the order the values were met in)."""
+    import hashlib
+
+    names = {v: split_name(v) for v in values}
+    taken = collections.Counter(names.values())
+    for v, name in names.items():
+        if taken[name] > 1:
+            names[v] = f"{name}-{hashlib.sha1(v.encode()).hexdigest()[:8]}"
+    return names
+
+
+class _Outputs:
+    """One :class:`TokenFileWriter` per split value (a single one without ``--split-by``),
+    each under a temporary name until :meth:`commit` renames them all."""
+
+    def __init__(self, output_prefix: str, dtype: type, split_by: Optional[str]):
+        self.output_prefix, self.dtype, self.split_by = output_prefix, dtype, split_by
+        self._tmp = f"{output_prefix}.tmp{os.getpid()}"
+        self.writers: dict[Optional[str], TokenFileWriter] = {}
+        self.tmp_prefixes: dict[Optional[str], str] = {}
+        self.stats: dict[Optional[str], SplitStats] = {}
+        self.written: list[str] = []  # temporary files, for clean-up
+
+    def add(self, value: Optional[str], array: np.ndarray) -> None:
+        writer = self.writers.get(value)
+        if writer is None:
+            if len(self.writers) >= MAX_SPLITS:
+                raise InputError(f"--split-by {self.split_by}: more than {MAX_SPLITS} distinct "
+                                 "values; is it the right field?")
+            tmp = self.tmp_prefixes[value] = f"{self._tmp}.{len(self.writers)}"
+            self.written.append(tmp + ".bin")
+            writer = self.writers[value] = TokenFileWriter(tmp + ".bin", self.dtype)
+            self.stats[value] = SplitStats(value)
+        writer.add_document(array)
+        self.stats[value].documents += 1
+        self.stats[value].tokens += array.size
+
+    def commit(self) -> list[SplitStats]:
+        """Finalize, flush to disk and rename every output; the stats, sorted by value."""
+        if self.split_by is None:
+            finals = {None: self.output_prefix}
+        else:
+            names = _split_names(list(self.writers))
+            finals = {v: f"{self.output_prefix}_{names[v]}" for v in self.writers}
+            for v, name in names.items():
+                self.stats[v].name = name
+        for value, writer in self.writers.items():
+            self.written.append(self.tmp_prefixes[value] + ".idx")
+            writer.finalize(self.tmp_prefixes[value] + ".idx")
+        for path in self.written:
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        for value, tmp in self.tmp_prefixes.items():
+            for suffix in (".bin", ".idx"):
+                os.replace(tmp + suffix, finals[value] + suffix)
+            self.stats[value].prefix = finals[value]
+        self.written.clear()
+        return sorted(self.stats.values(), key=lambda s: (s.value is not None, s.value or ""))
+
+    def discard(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
+        for path in self.written:
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def _write_manifest(path: str, split_by: str, tokenizer: str, files: Sequence[str],
+                    outputs: Sequence[SplitStats]) -> None:
+    manifest = {
+        "split_by": split_by,
+        "tokenizer": os.path.abspath(tokenizer),
+        "inputs": [os.path.abspath(f) for f in files],
+        "documents": sum(s.documents for s in outputs),
+        "tokens": sum(s.tokens for s in outputs),
+        "datasets": {s.name: os.path.abspath(s.prefix) for s in outputs},
+        "splits": [{"value": s.value, "name": s.name,
+                    "prefix": os.path.abspath(s.prefix), "documents": s.documents,
+                    "tokens": s.tokens} for s in outputs],
+    }
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(path: str) -> dict[str, str]:
+    """``{name: prefix}`` of a ``--split-by`` manifest (the form ``eval.datasets`` takes)."""
+    with open(path, encoding="utf-8") as f:
+        datasets = json.load(f)["datasets"]
+    base = os.path.dirname(os.path.abspath(path))
+    return {name: os.path.join(base, prefix) for name, prefix in datasets.items()}
+
+
+def preprocess(inputs: Sequence[str], tokenizer: str, output_prefix: str, json_key: str = "text",
+               workers: int = 1, chunk_size: int = 256, progress: bool = True,
+               split_by: Optional[str] = None) -> PreprocessStats:
+    """Tokenise ``inputs`` (paths/globs) into ``output_prefix.bin/.idx``; return counts.
+
+    With ``split_by`` (a dotted JSON key path such as ``meta.pile_set_name``), one prefix
+    ``output_prefix_<value>`` per value of that field, and ``output_prefix.manifest.json``.
+    Raises :class:`InputError` (naming the file and line) on bad input or when no document
+    is found; nothing is left on disk then.
+    """
     from depthmix.data.tokenizer import HFTokenizer
 
     if not os.path.isfile(tokenizer):
         raise FileNotFoundError(f"--tokenizer {tokenizer!r}: no such file")
+    if split_by is not None and not all(split_by.split(".")):
+        raise InputError(f"--split-by {split_by!r} must be a dotted key path such as "
+                         "meta.pile_set_name")
     files = expand_inputs(inputs)
     vocab_size = HFTokenizer(tokenizer).vocab_size
     dtype = token_dtype(vocab_size)
 
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    tmp_prefix = f"{output_prefix}.tmp{os.getpid()}"
     stats = PreprocessStats(files=len(files))
     t0 = time.time()
 
@@ -177,10 +433,11 @@ def preprocess(inputs: Sequence[str], tokenizer: str, output_prefix: str, json_k
     pool = None
     if workers > 1:
         ctx = multiprocessing.get_context("spawn")
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, json_key))
+        pool = ctx.Pool(workers, initializer=_init_worker,
+                        initargs=(tokenizer, json_key, True, split_by))
         results = _bounded_imap(pool, _encode_chunk, chunks, max_pending=4 * workers)
     else:
-        _init_worker(tokenizer, json_key, in_pool=False)
+        _init_worker(tokenizer, json_key, in_pool=False, split_by=split_by)
         results = map(_encode_chunk, chunks)
 
     bar = None
@@ -189,25 +446,30 @@ def preprocess(inputs: Sequence[str], tokenizer: str, output_prefix: str, json_k
 
         bar = tqdm(desc=f"tokenising {len(files)} file(s)", unit=" docs", dynamic_ncols=True,
                    mininterval=1.0, file=sys.stderr)
-    builder = IndexedDatasetBuilder(f"{tmp_prefix}.bin", dtype=dtype)
+    outputs = _Outputs(output_prefix, dtype, split_by)
     try:
-        for arrays in results:
-            for array in arrays:
+        for pairs in results:
+            for value, array in pairs:
                 if array is None:
                     stats.empty_skipped += 1
                     continue
-                builder.add_document(array, [array.size])
+                outputs.add(value, array)
                 stats.documents += 1
                 stats.tokens += array.size
             if bar is not None:
-                bar.update(len(arrays))
+                bar.update(len(pairs))
                 bar.set_postfix(tokens=f"{stats.tokens:,}", refresh=False)
-        builder.finalize(f"{tmp_prefix}.idx")
+        if stats.documents == 0:
+            raise InputError(
+                f"no documents in {', '.join(files)}: every line is blank or has an empty "
+                f"{json_key!r} field ({stats.empty_skipped} empty); not writing an empty "
+                "dataset")
+        stats.outputs = outputs.commit()
+        if split_by is not None:
+            stats.manifest = f"{output_prefix}.manifest.json"
+            _write_manifest(stats.manifest, split_by, tokenizer, files, stats.outputs)
     except BaseException:
-        builder.data_file.close()
-        for suffix in (".bin", ".idx"):
-            if os.path.exists(tmp_prefix + suffix):
-                os.remove(tmp_prefix + suffix)
+        outputs.discard()
         raise
     finally:
         if pool is not None:
@@ -216,8 +478,6 @@ def preprocess(inputs: Sequence[str], tokenizer: str, output_prefix: str, json_k
         _WORKER.clear()
         if bar is not None:
             bar.close()
-    os.replace(f"{tmp_prefix}.bin", f"{output_prefix}.bin")
-    os.replace(f"{tmp_prefix}.idx", f"{output_prefix}.idx")
     stats.seconds = time.time() - t0
     return stats
 
@@ -238,6 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokeniser processes (default: CPU count - 1)")
     p.add_argument("--chunk-size", type=int, default=256,
                    help="documents per work item sent to a worker (default 256)")
+    p.add_argument("--split-by", metavar="KEY.PATH",
+                   help="write one prefix per value of this JSON field (a dotted path, e.g. "
+                        "meta.pile_set_name for the Pile's domains): PREFIX_<value>.bin/.idx "
+                        "and PREFIX.manifest.json listing value -> prefix, documents, tokens")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress display")
     return p
 
@@ -249,13 +513,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         stats = preprocess(args.input, args.tokenizer, args.output_prefix, args.json_key,
-                           args.workers, args.chunk_size, progress=not args.no_progress)
+                           args.workers, args.chunk_size, progress=not args.no_progress,
+                           split_by=args.split_by)
     except (FileNotFoundError, ValueError) as e:
         print(f"depthmix-preprocess: error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {args.output_prefix}.bin/.idx: {stats.documents:,} documents, "
-          f"{stats.tokens:,} tokens from {stats.files} file(s) in {stats.seconds:.1f} s"
-          + (f" ({stats.empty_skipped} empty documents skipped)" if stats.empty_skipped else ""))
+    skipped = f" ({stats.empty_skipped} empty documents skipped)" if stats.empty_skipped else ""
+    if stats.manifest is None:
+        print(f"wrote {args.output_prefix}.bin/.idx: {stats.documents:,} documents, "
+              f"{stats.tokens:,} tokens from {stats.files} file(s) in {stats.seconds:.1f} s"
+              + skipped)
+        return 0
+    for s in stats.outputs:
+        print(f"  {s.value:<24} {s.documents:>12,} documents {s.tokens:>16,} tokens  "
+              f"{s.prefix}.bin/.idx")
+    print(f"wrote {len(stats.outputs)} prefixes (one per {args.split_by}) and {stats.manifest}: "
+          f"{stats.documents:,} documents, {stats.tokens:,} tokens from {stats.files} file(s) "
+          f"in {stats.seconds:.1f} s" + skipped)
     return 0
 
 

@@ -153,7 +153,8 @@ def test_config_errors(tmp_path, data_cache, make_run, embedded, two_prefixes):
     run = make_run(data_cache)
     run.data.name, run.data.tokenizer = "pile", embedded.tokenizer
     run.data.prefixes = [str(tmp_path / "missing")]
-    with pytest.raises(ConfigError, match=r"data\.prefixes: .*missing\.bin/\.idx not found"):
+    with pytest.raises(ConfigError, match=r"data\.prefixes\[0\]=.*missing: missing\.bin and "
+                                          r"missing\.idx not found"):
         build_data(run, 0, 1)
 
     run.data.prefixes = [two_prefixes[0]]
