@@ -299,7 +299,9 @@ def evaluate_tasks(loaded, tasks: Sequence[str], num_fewshot: Optional[int] = No
     ``loaded``: a :class:`~depthmix.inference.load.LoadedModel`, a ``(model, tokenizer)``
     pair or a :class:`DepthmixLM`. ``include_path``: extra task YAML folders (the shipped
     ``depthmix/evaluate/tasks`` is always included). ``include_defaults=False`` skips
-    indexing lm-eval's own ~15k task files (local tasks only; faster).
+    indexing lm-eval's own ~15k task files (local tasks only; faster). Other keyword
+    arguments go to ``simple_evaluate`` (e.g. ``log_samples=True``, ``random_seed``).
+    Serialise the result with ``json.dumps(..., default=lm_eval.utils.handle_non_serializable)``.
     """
     from lm_eval import simple_evaluate
 
@@ -311,6 +313,7 @@ def evaluate_tasks(loaded, tasks: Sequence[str], num_fewshot: Optional[int] = No
     lm = loaded if isinstance(loaded, DepthmixLM) else DepthmixLM(model=loaded,
                                                                    batch_size=batch_size)
     lm.batch_size = _positive_int(batch_size, "eval.batch_size")
+    simple_evaluate_kwargs.setdefault("log_samples", False)  # per-document records: large
     return simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                            task_manager=manager, **simple_evaluate_kwargs)
 

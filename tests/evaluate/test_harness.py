@@ -200,10 +200,10 @@ def test_unknown_task_lists_close_matches(megatron_single, tokenizer, task_dir):
 def test_shipped_table1_group_lists_the_papers_tasks():
     import yaml
 
-    from depthmix.evaluate.harness import TASKS_DIR
+    from depthmix.evaluate.harness import TASKS_DIR, task_manager
 
     with open(f"{TASKS_DIR}/depth_attn_table1.yaml") as f:
         group = yaml.safe_load(f)
-    assert group["group"] == "depth_attn_table1"
     assert group["task"] == ["lambada_openai", "piqa", "winogrande", "sciq", "hellaswag",
                              "arc_easy", "arc_challenge", "race"]
+    assert "depth_attn_table1" in task_manager(include_defaults=False).all_groups
