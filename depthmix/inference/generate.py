@@ -1,55 +1,358 @@
-"""KV-cached sampling from a single-rank (TP=PP=1) model; every mixer supports it.
+"""KV-cached sampling from a single-rank (TP=PP=1) model, and the ``depthmix-generate`` CLI.
 
 The cache holds only sequence keys/values (Depth-Attention: its mixed values); all depth
 reads are at the current token's own position and are recomputed in its forward.
+
+Prompts of different lengths run in one batch left-padded (:func:`left_pad`): the
+:class:`~depthmix.inference.kv_cache.KVCache` gives each row its own RoPE positions and
+hides the padding from sequence attention (ShortSWA's window and MoDA's sequence part
+included), and every depth read and residual operator is per token position, so no row's
+tokens change with the batch it runs in.
+
+torch is imported inside the functions so that ``depthmix-generate --help`` starts at once.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple, Union
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
-from depthmix.inference.kv_cache import KVCache
+    Generators = Union[None, torch.Generator, Sequence[torch.Generator]]
 
 
-def _full_vocab(logits: Tensor, vocab_size: Optional[int]) -> Tensor:
+def _full_vocab(logits: "Tensor", vocab_size: Optional[int]) -> "Tensor":
     return logits[..., :vocab_size] if vocab_size is not None else logits
 
 
-@torch.no_grad()
-def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: Optional[int] = None, eos_id: Optional[int] = None,
-             vocab_size: Optional[int] = None, generator: Optional[torch.Generator] = None
-             ) -> Tensor:
-    """Append up to ``max_new_tokens`` tokens to ``input_ids [b, s]``.
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device=None
+             ) -> Tuple["Tensor", "Tensor"]:
+    """Token lists -> ``input_ids [b, longest]`` right-aligned after ``pad_id`` and the
+    ``attention_mask`` (1 = real token) that :func:`generate` takes."""
+    import torch
 
-    ``temperature=0`` is greedy. ``vocab_size`` drops the padded logits of the embedding.
-    Generation stops early once every row has produced ``eos_id``.
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _left_padding(attention_mask: "Tensor") -> "Tensor":
+    """Padding length per row of a left-padded ``attention_mask [b, s]``."""
+    import torch
+
+    mask = attention_mask.bool()
+    width = mask.shape[1]
+    padding = width - mask.sum(dim=1)
+    expected = torch.arange(width, device=mask.device)[None, :] >= padding[:, None]
+    if not torch.equal(mask, expected):
+        raise ValueError("attention_mask must be left padding: in every row all zeros come "
+                         "before all ones")
+    if bool((padding >= width).any()):
+        raise ValueError("every row of attention_mask needs at least one real token")
+    return padding
+
+
+def sample_next(logits: "Tensor", temperature: float = 0.0, top_k: Optional[int] = None,
+                top_p: Optional[float] = None, generator: "Generators" = None) -> "Tensor":
+    """The next token of each row from fp32 ``logits [b, v]``.
+
+    ``temperature <= 0`` is greedy. Otherwise the logits are divided by the temperature,
+    cut to the ``top_k`` largest and to the smallest set whose probability reaches
+    ``top_p`` (the most likely token always stays), and sampled. ``generator`` is one
+    generator for the batch or one per row (then a row's draws do not depend on the others).
     """
+    import torch
+
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        beyond = probs.cumsum(-1) - probs >= top_p  # the tokens before already reach top_p
+        logits = logits.masked_fill(torch.zeros_like(beyond).scatter(-1, order, beyond),
+                                    float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    if len(generator) != probs.shape[0]:
+        raise ValueError(f"{len(generator)} generators for {probs.shape[0]} rows")
+    return torch.cat([torch.multinomial(p[None], 1, generator=g)[0]
+                      for p, g in zip(probs, generator)])
+
+
+def generate(model, input_ids: "Tensor", max_new_tokens: int, temperature: float = 0.0,
+             top_k: Optional[int] = None, eos_id: Optional[int] = None,
+             vocab_size: Optional[int] = None, generator: "Generators" = None, *,
+             top_p: Optional[float] = None, attention_mask: Optional["Tensor"] = None,
+             on_token: Optional[Callable[["Tensor", "Tensor"], Optional["Tensor"]]] = None
+             ) -> "Tensor":
+    """Append up to ``max_new_tokens`` tokens to ``input_ids [b, s]``; returns ``[b, s + n]``.
+
+    ``temperature=0`` is greedy (see :func:`sample_next` for ``top_k``/``top_p`` and
+    ``generator``). ``vocab_size`` drops the padded logits of the embedding.
+    ``attention_mask [b, s]`` (1 = real token) marks left padding, as :func:`left_pad`
+    makes: each row then decodes exactly as it would alone. Once a row has produced
+    ``eos_id`` it is filled with ``eos_id``; generation stops early when every row is done.
+    ``on_token(token [b], done [b])`` is called after every step (streaming); it may
+    return a bool ``[b]`` of rows to stop too (e.g. a stop string was produced).
+    """
+    import torch
+
+    from depthmix.inference.kv_cache import KVCache
+
+    padding = _left_padding(attention_mask) if attention_mask is not None else None
     model.eval()
-    cache = KVCache()
-    logits = model(input_ids, inference=cache)[:, -1]
-    cache.advance(input_ids.shape[1])
-    out = input_ids
+    cache = KVCache(padding)
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    for _ in range(max_new_tokens):
-        logits = _full_vocab(logits.float(), vocab_size)
-        if temperature <= 0:
-            token = logits.argmax(-1)
+    new: List["Tensor"] = []
+    with torch.no_grad():
+        logits = model(input_ids, inference=cache)[:, -1]
+        cache.advance(input_ids.shape[1])
+        for step in range(max_new_tokens):
+            token = sample_next(_full_vocab(logits.float(), vocab_size), temperature, top_k,
+                                top_p, generator)
+            if eos_id is not None:
+                token = torch.where(done, torch.full_like(token, eos_id), token)
+                done |= token == eos_id
+            new.append(token)
+            if on_token is not None:
+                stop = on_token(token, done.clone())
+                if stop is not None:
+                    done |= stop.to(done.device)
+            if step == max_new_tokens - 1 or bool(done.all()):
+                break
+            logits = model(token[:, None], inference=cache)[:, -1]
+            cache.advance(1)
+    if not new:
+        return input_ids
+    return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)
+
+
+# ---------------------------------------------------------------------------------------
+# depthmix-generate
+# ---------------------------------------------------------------------------------------
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="depthmix-generate",
+        description="Generate text from a depthmix checkpoint (any mixer, saved at any "
+                    "TP/PP layout) on one process, with the KV cache.",
+        epilog="example: depthmix-generate outputs/.../checkpoints -p 'Once upon a time' "
+               "-n 40 --temperature 0.8 --top-p 0.95",
+    )
+    p.add_argument("checkpoint", help="a save directory (its latest checkpoint) or one "
+                                      "iter_* checkpoint directory")
+    p.add_argument("-p", "--prompt", action="append", default=[],
+                   help="a prompt (repeatable; with --prompts-file too: these come first)")
+    p.add_argument("-f", "--prompts-file",
+                   help="prompts one per line; a .jsonl file holds per line a JSON string or "
+                        "an object with a 'prompt' (or 'text') field")
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizers JSON file (default: the "
+                                       "checkpoint's tokenizer.json)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=64,
+                   help="tokens to generate per prompt at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float,
+                   help="sample from the smallest set of tokens with this probability mass")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (default 0); every prompt's generator starts from it, "
+                        "so a prompt samples the same text in any batch")
+    p.add_argument("--eos", type=int,
+                   help="end-of-sequence token id (default: the tokenizer's end-of-document)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the end-of-sequence token")
+    p.add_argument("--bos", action="store_true",
+                   help="start each prompt with the end-of-document token (a fresh document, "
+                        "as documents follow one in training)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="prompts decoded together (left-padded; default 8)")
+    p.add_argument("--impl", choices=("torch", "triton", "auto"), default="auto",
+                   help="mixer kernels: PyTorch, Triton, or Triton on CUDA (default auto)")
+    p.add_argument("--dtype", choices=DTYPES, help="weights and activations (default: the "
+                                                   "training precision)")
+    p.add_argument("--format", choices=("text", "jsonl"), default="text",
+                   help="text: prompt and continuation (one prompt streams token by token, "
+                        "a batch prints each prompt when it is done); jsonl: one JSON object "
+                        "per prompt with the token ids")
+    return p
+
+
+def read_prompts(args) -> List[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            lines = [line.rstrip("\n") for line in f]
+        if args.prompts_file.endswith(".jsonl"):
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if isinstance(item, dict):
+                    item = item.get("prompt", item.get("text"))
+                if not isinstance(item, str):
+                    raise ValueError(f"--prompts-file={args.prompts_file} line {number}: "
+                                     "expected a string or an object with 'prompt' or 'text'")
+                prompts.append(item)
         else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
-        if eos_id is not None:
-            token = torch.where(done, torch.full_like(token, eos_id), token)
-            done |= token == eos_id
-        out = torch.cat([out, token[:, None]], dim=1)
-        if eos_id is not None and bool(done.all()):
-            break
-        logits = model(token[:, None], inference=cache)[:, -1]
-        cache.advance(1)
-    return out
+            prompts.extend(line for line in lines if line)
+    return prompts
+
+
+def _check_args(args, parser) -> None:
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size={args.batch_size} must be >= 1")
+    if args.temperature < 0:
+        parser.error(f"--temperature={args.temperature} must be >= 0")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k={args.top_k} must be >= 1")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error(f"--top-p={args.top_p} must be in (0, 1]")
+    if not args.prompt and not args.prompts_file:
+        parser.error("give at least one --prompt or a --prompts-file")
+
+
+class _Printer:
+    """Writes finished rows in input order as soon as they and all earlier rows are done;
+    a lone prompt in text format streams its continuation token by token."""
+
+    def __init__(self, tokenizer, prompts: List[str], prompt_ids: List[List[int]], eos,
+                 fmt: str, stream: bool):
+        self.tok, self.prompts, self.prompt_ids = tokenizer, prompts, prompt_ids
+        self.eos, self.fmt, self.stream = eos, fmt, stream
+        self.tokens: List[List[int]] = [[] for _ in prompts]
+        self.ended = [False] * len(prompts)
+        self.printed, self.shown = 0, ""
+        if stream:
+            sys.stdout.write(prompts[0])
+            sys.stdout.flush()
+
+    def update(self, first: int, token, done) -> None:
+        """One step of the batch whose rows start at ``first``."""
+        for row, (t, d) in enumerate(zip(token.tolist(), done.tolist()), start=first):
+            if self.ended[row]:
+                continue
+            if self.eos is not None and t == self.eos:
+                self.ended[row] = True
+                continue
+            self.tokens[row].append(t)
+            self.ended[row] = bool(d)
+        if self.stream and not self.ended[0]:
+            text = self.tok.decode(self.tokens[0])
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(self.shown):])
+                sys.stdout.flush()
+                self.shown = text
+        while self.printed < len(self.prompts) and self.ended[self.printed]:
+            self._emit(self.printed)
+
+    def finish(self, upto: int) -> None:
+        """Rows before ``upto`` are complete (their batch ended): print them."""
+        while self.printed < upto:
+            self._emit(self.printed)
+
+    def _emit(self, row: int) -> None:
+        completion = self.tok.decode(self.tokens[row])
+        if self.fmt == "jsonl":
+            stopped = "eos" if self.ended[row] else "length"
+            print(json.dumps({"prompt": self.prompts[row], "completion": completion,
+                              "prompt_tokens": self.prompt_ids[row],
+                              "tokens": self.tokens[row], "stop": stopped}), flush=True)
+        elif self.stream:
+            print(completion[len(self.shown):], flush=True)
+        else:
+            print(self.prompts[row] + completion + "\n", flush=True)
+        self.printed += 1
+
+
+def run(args) -> int:
+    import torch
+
+    from depthmix.config.schema import ConfigError
+    from depthmix.data.tokenizer import HFTokenizer
+    from depthmix.inference.load import load_model
+
+    prompts = read_prompts(args)
+    if not prompts:
+        raise ConfigError(f"--prompts-file={args.prompts_file} holds no prompt")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+             "fp16": torch.float16}.get(args.dtype)
+    loaded = load_model(args.checkpoint, impl=args.impl, dtype=dtype)
+    tokenizer_path = args.tokenizer or loaded.tokenizer_path
+    if tokenizer_path is None:
+        raise ConfigError(f"--tokenizer is needed: checkpoint {loaded.path} carries no "
+                          "tokenizer.json (its run had no tokenizer file)")
+    try:
+        tokenizer = HFTokenizer(tokenizer_path)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"--tokenizer={tokenizer_path}: {e}") from None
+    if tokenizer.vocab_size > loaded.vocab_size:
+        raise ConfigError(f"--tokenizer={tokenizer_path} has {tokenizer.vocab_size} tokens, "
+                          f"more than the model's vocabulary ({loaded.vocab_size})")
+    eos = None if args.ignore_eos else (args.eos if args.eos is not None else tokenizer.eod)
+    prefix = [tokenizer.eod] if args.bos else []
+    ids = [prefix + tokenizer.encode(p) for p in prompts]
+    if any(not p for p in ids):
+        raise ConfigError("an empty prompt has no token to continue from; use --bos")
+    longest = max(len(p) for p in ids) + args.max_new_tokens
+    if longest > loaded.run.model.seq_length:
+        print(f"depthmix-generate: warning: prompt + --max-new-tokens reaches {longest} "
+              f"tokens, beyond the {loaded.run.model.seq_length} the model was trained on",
+              file=sys.stderr)
+    device = next(loaded.model.parameters()).device
+    printer = _Printer(tokenizer, prompts, ids, eos, args.format,
+                       stream=args.format == "text" and len(prompts) == 1)
+    for start in range(0, len(prompts), args.batch_size):
+        batch = ids[start:start + args.batch_size]
+        input_ids, mask = left_pad(batch, tokenizer.pad, device)
+        generators = [torch.Generator(device=device).manual_seed(args.seed) for _ in batch]
+
+        def on_token(token, done, first=start):
+            printer.update(first, token, done)
+
+        generate(loaded.model, input_ids, args.max_new_tokens, args.temperature, args.top_k,
+                 eos, loaded.vocab_size, generators, top_p=args.top_p, attention_mask=mask,
+                 on_token=on_token)
+        printer.finish(start + len(batch))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(args, parser)
+    from depthmix.config.schema import ConfigError
+
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"depthmix-generate: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"depthmix-generate: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -41,18 +41,24 @@ class DepthMixAttentionSubmodules(SelfAttentionSubmodules):
     depth_mixer: Union[ModuleSpec, type] = NoDepthMixer
 
 
-def causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] = None):
+def causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] = None,
+                mask: Optional[Tensor] = None):
     """Causal attention of the last ``sq`` positions over ``sk >= sq`` keys.
 
     ``query [sq, b, np, hn]``, ``key/value [sk, b, ng, hn]`` (GQA: ``np % ng == 0``).
     Returns ``[sq, b, np * hn]``. Query ``i`` sits at position ``sk - sq + i``.
+    ``mask``: visible keys ``[b, 1, sq, sk]`` (True = visible, causality included) in
+    place of the causal rule; a left-padded batch passes
+    :meth:`~depthmix.inference.KVCache.attention_mask`.
     """
     sq, b, np_, hn = query.shape
     sk = key.shape[0]
     q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
     k = key.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
     v = value.permute(1, 2, 0, 3)
-    if sq == sk:
+    if mask is not None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    elif sq == sk:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         pos_q = torch.arange(sk - sq, sk, device=q.device)[:, None]
@@ -71,7 +77,7 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
 
     def forward(self, query, key, value, attention_mask=None, **kwargs):
-        return causal_sdpa(query, key, value, self.softmax_scale)
+        return causal_sdpa(query, key, value, self.softmax_scale, mask=attention_mask)
 
 
 class DepthMixSelfAttention(SelfAttention):
@@ -103,9 +109,11 @@ class DepthMixSelfAttention(SelfAttention):
             query = apply_rotary_pos_emb(query, ctx.rotary_pos_emb, config=self.config)
             key = apply_rotary_pos_emb(key, ctx.rotary_pos_emb, config=self.config)
         key, value, depth_kwargs = self.depth_mixer(query, key, value, state, ctx)
+        mask = None
         if ctx.inference is not None:
             key, value = ctx.inference.update(ctx.layer, key, value)
-        context = self.core_attention(query, key, value, None, **depth_kwargs)  # [s, b, np*hn]
+            mask = ctx.inference.attention_mask(query.shape[0], key.shape[0])  # padding
+        context = self.core_attention(query, key, value, mask, **depth_kwargs)  # [s, b, np*hn]
         output, bias = self.linear_proj(context)
         assert bias is None, "depthmix layers are bias-free"
         return output

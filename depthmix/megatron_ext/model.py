@@ -239,10 +239,13 @@ class DepthMixModel(LanguageModule):
         microbatch = self.decoder.current_microbatch
         seq_len = input_ids.shape[1] if input_ids is not None else self.config.seq_length
         offset = inference.offset if inference is not None else 0
-        ctx = ForwardContext(
-            rotary_pos_emb=self.rotary_pos_emb(offset + seq_len)[offset:],
-            inference=inference, stats=stats,
-        )
+        rows = inference.positions(seq_len) if inference is not None else None
+        if rows is None:
+            rotary = self.rotary_pos_emb(offset + seq_len)[offset:]  # [s, 1, 1, d]
+        else:  # left-padded batch: each row's own positions, [s, b, 1, d]
+            rotary = self.rotary_pos_emb(offset + seq_len)[rows.t(), 0]
+            position_ids = rows
+        ctx = ForwardContext(rotary_pos_emb=rotary, inference=inference, stats=stats)
         if self.pre_process:
             if position_ids is None:
                 position_ids = torch.arange(offset, offset + seq_len, device=input_ids.device)

@@ -64,7 +64,8 @@ def _check_shapes(query: Tensor, key: Tensor, depth_key: Optional[Tensor]) -> tu
 
 
 def _scores(query: Tensor, key: Tensor, depth_key: Optional[Tensor],
-            depth_count: Optional[int], softmax_scale: Optional[float]) -> tuple:
+            depth_count: Optional[int], softmax_scale: Optional[float],
+            attention_mask: Optional[Tensor] = None) -> tuple:
     """fp32 (fp64 for fp64 inputs) scores ``[b, ng, G, sq, sk + D]``, masked with -inf."""
     sq, b, np_, hn, sk, ng = _check_shapes(query, key, depth_key)
     g = np_ // ng
@@ -74,6 +75,8 @@ def _scores(query: Tensor, key: Tensor, depth_key: Optional[Tensor],
     seq = torch.einsum("sbngh,tbnh->bngst", q, key.to(acc)) * scale  # [b, ng, G, sq, sk]
     pos_q = torch.arange(sk - sq, sk, device=query.device)[:, None]
     visible = torch.arange(sk, device=query.device)[None, :] <= pos_q  # [sq, sk]
+    if attention_mask is not None:  # [b, 1, sq, sk], causality included
+        visible = attention_mask[:, :, None]  # [b, 1, 1, sq, sk]
     seq = seq.masked_fill(~visible, float("-inf"))
     if depth_key is None:
         return seq, sk, 0, acc
@@ -93,6 +96,7 @@ def moda_attention_reference(
     depth_value: Optional[Tensor] = None,
     depth_count: Optional[int] = None,
     softmax_scale: Optional[float] = None,
+    attention_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Causal sequence attention and same-position depth attention under one softmax.
 
@@ -105,6 +109,9 @@ def moda_attention_reference(
         depth_count: only the first ``depth_count`` depth entries are valid (a
             preallocated, zero-filled buffer); None means all ``D``.
         softmax_scale: defaults to ``1 / sqrt(hn)``.
+        attention_mask: visible sequence keys ``[b, 1, sq, sk]`` (True = visible,
+            causality included) in place of the causal rule, e.g. the padding mask of a
+            left-padded batch in generation; depth entries are unaffected (same position).
 
     Returns:
         ``[sq, b, np * hn]`` in the query's dtype. Scores, softmax and accumulation run in
@@ -115,7 +122,8 @@ def moda_attention_reference(
     if depth_key is not None and depth_value.shape != depth_key.shape:
         raise ValueError(f"depth_value {tuple(depth_value.shape)} != depth_key "
                          f"{tuple(depth_key.shape)}")
-    scores, sk, d, acc = _scores(query, key, depth_key, depth_count, softmax_scale)
+    scores, sk, d, acc = _scores(query, key, depth_key, depth_count, softmax_scale,
+                                 attention_mask)
     probs = torch.softmax(scores, dim=-1)  # [b, ng, G, sq, sk + D]
     out = torch.einsum("bngst,tbnh->sbngh", probs[..., :sk], value.to(acc))
     if d:

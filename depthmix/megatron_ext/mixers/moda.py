@@ -46,7 +46,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from depthmix.config.schema import ConfigError
-from depthmix.kernels.moda_attention import get_moda_attention, moda_depth_weights
+from depthmix.kernels.moda_attention import (
+    get_moda_attention,
+    moda_attention_reference,
+    moda_depth_weights,
+)
 from depthmix.megatron_ext.attention import DepthMixSelfAttention, SDPACoreAttention, causal_sdpa
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthState, Entry
@@ -311,7 +315,9 @@ class MoDASelfAttention(DepthMixSelfAttention):
 class MoDACoreAttention(SDPACoreAttention):
     """Core attention over the causal sequence KV and the depth KV under one softmax
     (``kernels.moda_attention``: the fused Triton kernel with ``mixer.impl=triton``, the
-    PyTorch reference with ``torch``); plain SDPA where a layer has no depth entries."""
+    PyTorch reference with ``torch``); plain SDPA where a layer has no depth entries.
+    A padding mask (left-padded batched generation) takes the reference, which accepts
+    one; the fused kernel implements the causal rule only."""
 
     def __init__(self, config, layer_number: int, **kwargs):
         super().__init__(config, layer_number, **kwargs)
@@ -320,10 +326,14 @@ class MoDACoreAttention(SDPACoreAttention):
     def forward(self, query, key, value, attention_mask=None, depth_key=None,
                 depth_value=None, depth_stats=None, **kwargs):
         if depth_key is None:
-            return causal_sdpa(query, key, value, self.softmax_scale)
+            return causal_sdpa(query, key, value, self.softmax_scale, mask=attention_mask)
         if depth_stats is not None:
             depth_stats(moda_depth_weights(query, key, depth_key,
                                            softmax_scale=self.softmax_scale))
+        if attention_mask is not None:
+            return moda_attention_reference(query, key, value, depth_key, depth_value,
+                                            softmax_scale=self.softmax_scale,
+                                            attention_mask=attention_mask)
         return self.moda_attention(query, key, value, depth_key, depth_value,
                                    softmax_scale=self.softmax_scale)
 

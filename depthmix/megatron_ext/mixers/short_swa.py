@@ -36,13 +36,16 @@ SWA_SEED = 303
 
 
 def sliding_window_sdpa(query: Tensor, key: Tensor, value: Tensor, window: int,
-                        scale: Optional[float] = None, block: Optional[int] = None) -> Tensor:
+                        scale: Optional[float] = None, block: Optional[int] = None,
+                        visible: Optional[Tensor] = None) -> Tensor:
     """Causal attention restricted to the last ``window`` positions.
 
     ``query [sq, b, np, hn]``, ``key/value [sk, b, ng, hn]`` with ``sk >= sq`` (GQA:
     ``np % ng == 0``); query ``i`` sits at position ``p = sk - sq + i`` and sees keys
     ``j`` with ``p - window < j <= p``. Returns ``[sq, b, np * hn]``. Queries are processed in
-    blocks so the work is ``O(sq * (block + window))``, not ``O(sq * sk)``.
+    blocks so the work is ``O(sq * (block + window))``, not ``O(sq * sk)``. ``visible``:
+    an extra ``[b, 1, sq, sk]`` key mask (True = visible) anded with the window, e.g. the
+    padding mask of a left-padded batch.
     """
     sq, b, np_, hn = query.shape
     sk = key.shape[0]
@@ -58,6 +61,8 @@ def sliding_window_sdpa(query: Tensor, key: Tensor, value: Tensor, window: int,
         pos_q = torch.arange(p0, p1, device=q.device)[:, None]
         pos_k = torch.arange(k0, p1, device=q.device)[None, :]
         mask = (pos_k <= pos_q) & (pos_k > pos_q - window)  # [p1-p0, p1-k0]
+        if visible is not None:
+            mask = mask & visible[:, :, start:end, k0:p1]  # [b, 1, p1-p0, p1-k0]
         outs.append(F.scaled_dot_product_attention(
             q[:, :, start:end], k[:, :, k0:p1], v[:, :, k0:p1], attn_mask=mask, scale=scale,
             enable_gqa=True))
@@ -75,7 +80,8 @@ class SlidingWindowCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
 
     def forward(self, query, key, value, attention_mask=None, **kwargs):
-        return sliding_window_sdpa(query, key, value, self.window, self.softmax_scale)
+        return sliding_window_sdpa(query, key, value, self.window, self.softmax_scale,
+                                   visible=attention_mask)
 
 
 class ShortSWAAttention(SelfAttention):
@@ -94,10 +100,12 @@ class ShortSWAAttention(SelfAttention):
         if ctx.rotary_pos_emb is not None:
             query = apply_rotary_pos_emb(query, ctx.rotary_pos_emb, config=self.config)
             key = apply_rotary_pos_emb(key, ctx.rotary_pos_emb, config=self.config)
+        mask = None
         if ctx.inference is not None:  # the next token needs only the last w - 1 positions
             key, value = ctx.inference.update(("swa", ctx.layer), key, value,
                                               keep=self.window - 1)
-        context = self.core_attention(query, key, value, None)  # [s, b, np*hn]
+            mask = ctx.inference.attention_mask(query.shape[0], key.shape[0])  # padding
+        context = self.core_attention(query, key, value, mask)  # [s, b, np*hn]
         output, bias = self.linear_proj(context)
         assert bias is None, "depthmix layers are bias-free"
         return output

@@ -1,0 +1,209 @@
+"""The lm-eval adapter: exact log-likelihoods, batching invariance, lm-eval's own evaluator
+on local five-shot tasks (no network: the tasks read jsonl files written here)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from depthmix.testing import build_model, tiny_run
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from depthmix.config.schema import ConfigError  # noqa: E402
+from depthmix.data.tokenizer import HFTokenizer, train_bpe_tokenizer  # noqa: E402
+from depthmix.evaluate.harness import DepthmixLM, evaluate_tasks  # noqa: E402
+
+MIXERS = {"vanilla": {}, "depth_attn": {}, "moda": {}, "attnres_block": {"block_size": 4},
+          "mhc": {}}
+WORDS = ("red blue green cat dog bird sun moon star tree river stone one two three four "
+         "five six seven eight nine ten").split()
+
+
+def _questions(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(n):
+        words = [WORDS[i] for i in torch.randint(0, len(WORDS), (3,), generator=g)]
+        choices = [WORDS[i] for i in torch.randperm(len(WORDS), generator=g)[:4]]
+        docs.append({"question": " ".join(words), "choices": choices,
+                     "label": int(torch.randint(0, 4, (1,), generator=g)),
+                     "answer": choices[0], "text": " ".join(words + choices)})
+    return docs
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    texts = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] * 4
+    train_bpe_tokenizer(texts, vocab_size=300, path=str(path))
+    return HFTokenizer(str(path))
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """Three local tasks: multiple choice, generation, rolling log-likelihood."""
+    root = tmp_path_factory.mktemp("tasks")
+    for split, (n, seed) in {"train": (8, 1), "test": (6, 2)}.items():
+        with open(root / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps(d) + "\n" for d in _questions(n, seed))
+    data = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    train: {root / 'train.jsonl'}\n    test: {root / 'test.jsonl'}\n"
+            "training_split: train\ntest_split: test\nfewshot_split: train\n"
+            "metadata:\n  version: 1.0\n")
+    (root / "dm_mc.yaml").write_text(
+        "task: dm_mc\noutput_type: multiple_choice\n" + data
+        + "doc_to_text: \"Q: {{question}}\\nA:\"\ndoc_to_target: \"{{label}}\"\n"
+          "doc_to_choice: \"{{choices}}\"\nmetric_list:\n  - metric: acc\n"
+          "  - metric: acc_norm\n")
+    (root / "dm_gen.yaml").write_text(
+        "task: dm_gen\noutput_type: generate_until\n" + data
+        + "doc_to_text: \"Q: {{question}}\\nA:\"\ndoc_to_target: \" {{answer}}\"\n"
+          "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 6\n"
+          "metric_list:\n  - metric: exact_match\n")
+    (root / "dm_ppl.yaml").write_text(
+        "task: dm_ppl\noutput_type: loglikelihood_rolling\n" + data
+        + "doc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
+          "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _offline_datasets(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "hf"))
+
+
+_models = {}
+
+
+def model_for(mixer):
+    """A tiny fp32 model of ``mixer`` with a 320-token vocabulary and 256-token context,
+    so that no request here is cut (built once)."""
+    if mixer not in _models:
+        run = tiny_run(mixer, **MIXERS[mixer])
+        run.model.vocab_size, run.model.seq_length = 320, 256
+        torch.manual_seed(0)
+        _models[mixer] = build_model(run).eval()
+    return _models[mixer]
+
+
+def direct_loglikelihood(model, tok, context, continuation):
+    """lm-eval's split (encode the whole, the context's tokens first), one plain forward."""
+    ctx = tok.encode(context) if context else [tok.eod]
+    whole = tok.encode(context + continuation) if context else ctx + tok.encode(continuation)
+    cont = whole[len(ctx):]
+    with torch.no_grad():
+        logits = model(torch.tensor([whole[:-1]]))[0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)[len(ctx) - 1:]
+    target = torch.tensor(cont)
+    return float(logprobs.gather(-1, target[:, None]).sum()), \
+        bool((logprobs.argmax(-1) == target).all())
+
+
+REQUESTS = [("Q: red cat dog\nA:", " blue"), ("Q: one\nA:", " two three four five"),
+            ("", "sun moon star"), ("Q: river stone tree bird nine ten\nA:", " seven"),
+            ("Q: red\nA:", " green"), ("five six", " seven eight nine")]
+
+
+def _instances(kind, args):
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_loglikelihood_is_the_models_own_and_batching_free(megatron_single, tokenizer, mixer):
+    model = model_for(mixer)
+    lm1 = DepthmixLM(model=(model, tokenizer), batch_size=1)
+    lm4 = DepthmixLM(model=(model, tokenizer), batch_size=4)
+    one = lm1.loglikelihood(_instances("loglikelihood", REQUESTS), disable_tqdm=True)
+    four = lm4.loglikelihood(_instances("loglikelihood", REQUESTS), disable_tqdm=True)
+    again = lm4.loglikelihood(_instances("loglikelihood", REQUESTS), disable_tqdm=True)
+    for (ctx, cont), a, b in zip(REQUESTS, one, four):
+        direct = direct_loglikelihood(model, tokenizer, ctx, cont)
+        assert a == direct, (mixer, ctx, cont, a, direct)  # same input, same fp32 forward
+        assert math.isclose(b[0], direct[0], rel_tol=1e-6, abs_tol=1e-5), (mixer, b, direct)
+        assert b[1] == direct[1]
+    assert four == again  # deterministic
+
+
+def test_loglikelihood_rolling_sums_disjoint_windows(megatron_single, tokenizer):
+    """A text longer than max_length: windows of 16 tokens, every token scored once."""
+    model = model_for("vanilla")
+    text = " ".join(WORDS * 2)
+    ids = tokenizer.encode(text)
+    assert len(ids) > 40
+    lm = DepthmixLM(model=(model, tokenizer), batch_size=3, max_length=16)
+    (rolling,) = lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(text,)]),
+                                          disable_tqdm=True)
+    expected = 0.0  # by hand: window i predicts ids[16i : 16i+16] from up to 16 tokens
+    with torch.no_grad():
+        for start in range(0, len(ids), 16):
+            end = min(len(ids), start + 16)
+            context = ([tokenizer.eod] + ids)[max(0, end - 16): end]  # the last 16 inputs
+            logprobs = torch.log_softmax(model(torch.tensor([context]))[0].float(), -1)
+            n = end - start
+            expected += float(logprobs[-n:].gather(-1, torch.tensor(ids[start:end])[:, None]).sum())
+    assert math.isclose(rolling, expected, rel_tol=1e-6)
+
+
+def test_generate_until_matches_greedy_generation(megatron_single, tokenizer):
+    from depthmix.inference.generate import generate
+
+    model = model_for("moda")
+    contexts = ["Q: red cat\nA:", "Q: one two three four five\nA:", "Q: sun\nA:"]
+    lm = DepthmixLM(model=(model, tokenizer), batch_size=3)
+    args = [(c, {"until": ["\n"], "max_gen_toks": 5}) for c in contexts]
+    outs = lm.generate_until(_instances("generate_until", args), disable_tqdm=True)
+    for context, out in zip(contexts, outs):
+        ids = torch.tensor([tokenizer.encode(context)])
+        alone = generate(model, ids, 5, eos_id=tokenizer.eod)[0, ids.shape[1]:].tolist()
+        if tokenizer.eod in alone:
+            alone = alone[:alone.index(tokenizer.eod)]
+        assert out == tokenizer.decode(alone).split("\n")[0], (context, out)
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_five_shot_local_tasks_through_lm_evals_evaluator(megatron_single, tokenizer,
+                                                           task_dir, mixer):
+    model = model_for(mixer)
+    out = evaluate_tasks((model, tokenizer), ["dm_mc", "dm_gen", "dm_ppl"], num_fewshot=5,
+                         batch_size=4, limit=4, include_path=str(task_dir),
+                         include_defaults=False, log_samples=True)
+    results = out["results"]
+    assert out["n-shot"]["dm_mc"] == 5
+    assert 0.0 <= results["dm_mc"]["acc,none"] <= 1.0
+    assert 0.0 <= results["dm_gen"]["exact_match,none"] <= 1.0
+    assert results["dm_ppl"]["word_perplexity,none"] > 1.0
+    samples = out["samples"]["dm_mc"]
+    assert len(samples) == 4
+    for sample in samples:  # lm-eval's recorded scores are the model's own log-likelihoods
+        context, _ = sample["arguments"][0]
+        assert context.count("Q: ") == 6, "five shots plus the question"
+        for (ctx, cont), resp in zip(sample["arguments"], sample["resps"]):
+            direct = direct_loglikelihood(model, tokenizer, ctx, cont)
+            # batches of 4: equal up to fp32 summation order (batch 1 is exact, above)
+            assert math.isclose(resp[0][0], direct[0], rel_tol=1e-6), (resp, direct)
+        best = max(range(4), key=lambda i: sample["resps"][i][0][0])
+        assert sample["acc"] == float(best == sample["target"])
+
+
+def test_unknown_task_lists_close_matches(megatron_single, tokenizer, task_dir):
+    with pytest.raises(ConfigError, match=r"dm_mcq.*did you mean: dm_mc"):
+        evaluate_tasks((model_for("vanilla"), tokenizer), ["dm_mcq"], include_path=str(task_dir),
+                       include_defaults=False)
+
+
+def test_shipped_table1_group_lists_the_papers_tasks():
+    import yaml
+
+    from depthmix.evaluate.harness import TASKS_DIR, task_manager
+
+    with open(f"{TASKS_DIR}/depth_attn_table1.yaml") as f:
+        group = yaml.safe_load(f)
+    assert group["task"] == ["lambada_openai", "piqa", "winogrande", "sciq", "hellaswag",
+                             "arc_easy", "arc_challenge", "race"]
+    assert "depth_attn_table1" in task_manager(include_defaults=False).all_groups
