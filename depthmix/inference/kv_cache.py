@@ -20,6 +20,10 @@ class KVCache:
         self.values: Dict[Hashable, Tensor] = {}
         self.offset = 0
         """Number of tokens already cached (the position of the next token)."""
+        self.counters: Dict[str, int] = {}
+        """Work counters kept by some mixers for benchmarks, summed over forwards (AttnRes:
+        ``attnres/source_reads``, depth-source vectors read per token, see
+        ``docs/methods/attnres.md``)."""
 
     def update(self, layer: Hashable, key: Tensor, value: Tensor,
                keep: Optional[int] = None) -> Tuple[Tensor, Tensor]:
@@ -39,6 +43,9 @@ class KVCache:
             start = max(0, key.shape[0] - keep)
             self.keys[layer], self.values[layer] = key[start:], value[start:]
         return key, value
+
+    def count(self, name: str, amount: int) -> None:
+        self.counters[name] = self.counters.get(name, 0) + amount
 
     def advance(self, num_tokens: int) -> None:
         """Call after each forward with the number of tokens it added."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.depth_state import STEM, Entry
@@ -84,6 +84,10 @@ class Mixer:
     ``tp``, replicated ones whole; ``tp = 1`` is the whole model), per stored layer and
     on the stem/head. ShortSWA is not included (the accounting adds it). Used for the
     parameter count and the dry run's per-stage memory estimate."""
+    bind: Optional[Callable] = None
+    """``(DepthMixModel) -> None``, called once on every built model chunk: for mixers
+    whose modules need each other (AttnRes' two-phase inference reads a whole block's
+    pseudo-queries at once). None: nothing to bind."""
 
 
 def residual_stream_entry(config) -> Entry:
