@@ -119,13 +119,16 @@ def prefill_and_decode(model, prompt, decode: int, vocab: int, on_phase=None):
 
 
 def cache_bytes(cache) -> int:
-    """Bytes of every tensor the KV cache holds (keys, values, any other per-layer state)."""
-    total = 0
+    """Bytes of the storages behind every tensor the KV cache holds (keys, values, any other
+    per-layer state): a cached view keeping a larger tensor alive counts in full."""
+    storages = {}
     for value in vars(cache).values():
         if isinstance(value, dict):
-            total += sum(t.numel() * t.element_size() for t in value.values()
-                         if isinstance(t, torch.Tensor))
-    return total
+            for t in value.values():
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def depth_state_bytes_per_token(model, precision: str) -> int:

@@ -14,6 +14,14 @@ import torch
 from torch import Tensor
 
 
+def _owning(t: Tensor) -> Tensor:
+    """``t`` itself if it owns its storage, else a copy: a view (e.g. the value slice of the
+    fused QKV projection) would keep its whole base tensor alive in the cache."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class KVCache:
     def __init__(self):
         self.keys: Dict[Hashable, Tensor] = {}
@@ -37,6 +45,8 @@ class KVCache:
         if layer in self.keys:
             key = torch.cat([self.keys[layer], key], dim=0)
             value = torch.cat([self.values[layer], value], dim=0)
+        else:
+            key, value = _owning(key), _owning(value)
         if keep is None:
             self.keys[layer], self.values[layer] = key, value
         else:
