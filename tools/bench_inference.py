@@ -2,12 +2,12 @@
 """Inference cost of each mixer next to vanilla: the Depth-Attention paper's Table 4.
 
 Every model is built in one process and run round-robin (vanilla, mixer A, mixer B,
-vanilla, ...): a KV-cached greedy prefill of ``--prefill`` tokens for ``--batch`` rows, then
+vanilla, ...; ratios to vanilla are medians of same-round ratios): a KV-cached greedy prefill of ``--prefill`` tokens for ``--batch`` rows, then
 ``--decode`` single-token steps. Reported per mixer (median over ``--reps``):
 
 * prefill time, decode time per token, total, and their ratio to vanilla;
 * peak memory during prefill and during decode: on CUDA ``torch.cuda.max_memory_allocated``
-  (weights included); on CPU, from an extra untimed pass under torch's ``MemTracker``
+  (weights included; each model is on the GPU only for its turn unless ``--resident``); on CPU, from an extra untimed pass under torch's ``MemTracker``
   (``torch.distributed._tools``: every tensor alive at the peak, weights included);
 * persistent state per token: the bytes the KV cache holds after prefill per cached token
   and row, measured on the cache object (Depth-Attention keeps its mixed values in the V
@@ -51,12 +51,15 @@ def parse_args(argv=None):
     p.add_argument("--prefill", type=int, default=64)
     p.add_argument("--decode", type=int, default=16, help="single-token decode steps")
     p.add_argument("--precision", default="fp32", choices=list(DTYPES))
-    p.add_argument("--reps", type=int, default=3, help="timed round-robin repetitions")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=10, help="timed round-robin repetitions")
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-plain-attnres", action="store_true",
                    help="skip the attnres_block[plain] row (per-sublayer reads)")
     p.add_argument("--option", action="append", default=[],
                    help="mixer option override, e.g. depth_attn.stride=2 (repeatable)")
+    p.add_argument("--resident", action="store_true",
+                   help="CUDA: keep every model on the GPU (default: each model is moved to "
+                        "the GPU for its turn only, so 3B models plus a batch-64 cache fit)")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args(argv)
 
@@ -82,9 +85,23 @@ def build_models(args):
         else torch.device("cpu")
     models = []
     for label, run in labelled:
-        model = build_model(run, dtype=DTYPES[args.precision]).to(device).eval()
-        models.append((label, model))
+        model = build_model(run, dtype=DTYPES[args.precision]).eval()
+        models.append((label, model.to(device) if args.resident else model))
     return models, device
+
+
+def on_device(model, device, resident: bool):
+    """The model on ``device`` for its turn (CUDA without ``--resident``: moved there and
+    back to host memory afterwards, outside the timed region)."""
+    if resident or device.type == "cpu":
+        return model
+    return model.to(device)
+
+
+def off_device(model, device, resident: bool) -> None:
+    if not resident and device.type == "cuda":
+        model.to("cpu")
+        torch.cuda.empty_cache()
 
 
 def _sync():
@@ -193,6 +210,7 @@ def measure(args):
                         torch.cuda.max_memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
 
+            model = on_device(model, device, args.resident)
             cache, (t_pre, t_dec) = prefill_and_decode(model, prompt, args.decode, vocab,
                                                        on_phase)
             r = results[label]
@@ -210,10 +228,20 @@ def measure(args):
             if peaks:
                 r["prefill_peak_bytes"], r["decode_peak_bytes"] = peaks["prefill"], peaks["decode"]
             del cache
+            off_device(model, device, args.resident)
     if not torch.cuda.is_available():  # untimed pass: MemTracker slows every op
         for label, model in models:
             pre, dec = cpu_peaks(model, prompt, args.decode, vocab)
             results[label]["prefill_peak_bytes"], results[label]["decode_peak_bytes"] = pre, dec
+    base = results["vanilla"]
+    for r in results.values():  # ratios: median over rounds of same-round ratios (drift-robust)
+        totals = [p + d for p, d in zip(r["prefill_s"], r["decode_s"])]
+        base_totals = [p + d for p, d in zip(base["prefill_s"], base["decode_s"])]
+        r["ratio"] = {
+            "prefill": statistics.median(a / b for a, b in zip(r["prefill_s"], base["prefill_s"])),
+            "decode": statistics.median(a / b for a, b in zip(r["decode_s"], base["decode_s"])),
+            "total": statistics.median(a / b for a, b in zip(totals, base_totals)),
+        }
     for r in results.values():
         r["prefill_s"] = statistics.median(r["prefill_s"])
         r["decode_s_per_token"] = statistics.median(r["decode_s"]) / max(args.decode, 1)
@@ -235,9 +263,8 @@ def table(results) -> str:
         reads = r["reads"].get("attnres/source_reads")
         lines.append(
             f"| {label} | {r['prefill_s'] * 1e3:.1f} | {r['decode_s_per_token'] * 1e3:.2f} "
-            f"| {r['total_s'] * 1e3:.1f} | {r['prefill_s'] / base['prefill_s']:.2f} "
-            f"| {r['decode_s_per_token'] / base['decode_s_per_token']:.2f} "
-            f"| {r['total_s'] / base['total_s']:.2f} "
+            f"| {r['total_s'] * 1e3:.1f} | {r['ratio']['prefill']:.2f} "
+            f"| {r['ratio']['decode']:.2f} | {r['ratio']['total']:.2f} "
             f"| {r['prefill_peak_bytes'] / mib:.2f} | {r['decode_peak_bytes'] / mib:.2f} "
             f"| {r['cache_bytes_per_token']:,.0f} "
             f"| {r['cache_bytes_per_token'] - base['cache_bytes_per_token']:+,.0f} "

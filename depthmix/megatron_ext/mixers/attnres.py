@@ -23,6 +23,10 @@ sublayer output still to be read; Block keeps the completed sums ``b{k}`` and th
 running partial ``p{k}``. The plan lists each entry's exact writer and reader layers, so
 the pipeline transport sends into a chunk only what the receiving rank does not hold
 yet (the paper's cross-stage caching), see ``docs/methods/attnres.md``.
+
+Inference through a KV cache uses the paper's two-phase reads for Block AttnRes
+(``mixer.two_phase``, :class:`TwoPhaseReads`): a block's completed-block reads for all its
+sublayers at once, then each sublayer's partial-sum term merged by online softmax.
 """
 
 from __future__ import annotations
