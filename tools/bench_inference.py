@@ -2,12 +2,14 @@
 """Inference cost of each mixer next to vanilla: the Depth-Attention paper's Table 4.
 
 Every model is built in one process and run round-robin (vanilla, mixer A, mixer B,
-vanilla, ...; ratios to vanilla are medians of same-round ratios): a KV-cached greedy prefill of ``--prefill`` tokens for ``--batch`` rows, then
-``--decode`` single-token steps. Reported per mixer (median over ``--reps``):
+vanilla, ...): a KV-cached greedy prefill of ``--prefill`` tokens for ``--batch`` rows,
+then ``--decode`` single-token steps. Reported per mixer (medians over ``--reps`` rounds;
+ratios to vanilla are medians of same-round ratios, robust to machine drift):
 
 * prefill time, decode time per token, total, and their ratio to vanilla;
 * peak memory during prefill and during decode: on CUDA ``torch.cuda.max_memory_allocated``
-  (weights included; each model is on the GPU only for its turn unless ``--resident``); on CPU, from an extra untimed pass under torch's ``MemTracker``
+  (weights included; each model is on the GPU only for its turn unless ``--resident``);
+  on CPU, from an extra untimed pass under torch's ``MemTracker``
   (``torch.distributed._tools``: every tensor alive at the peak, weights included);
 * persistent state per token: the bytes the KV cache holds after prefill per cached token
   and row, measured on the cache object (Depth-Attention keeps its mixed values in the V
@@ -17,7 +19,7 @@ vanilla, ...; ratios to vanilla are medians of same-round ratios): a KV-cached g
 * Block AttnRes: depth-source reads per token per forward, two-phase (the default through a
   KV cache) and per-sublayer (``attnres_block[plain]``, ``mixer.two_phase=false``).
 
-    python tools/bench_inference.py                  # CPU: tiny preset, batch 2, prefill 64, decode 16
+    python tools/bench_inference.py          # CPU: tiny preset, batch 2, prefill 64, decode 16
     python tools/bench_inference.py --model 3b --batch 64 --prefill 2048 --decode 2048 \\
         --precision bf16 --reps 3                    # the paper's shape, on a GPU
 """

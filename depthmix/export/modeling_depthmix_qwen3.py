@@ -5,7 +5,7 @@ parameters: the weights are Qwen3's. Inside attention layer ``l``, after QK-norm
 and before sequence attention, at every token position and per KV group::
 
     q̄   = mean of the group's G query heads
-    a_j  = softmax_j( q̄ · k_j / sqrt(head_dim) ),   j in S(l) ∪ {l}   (fp32; or 1 / (|S(l)| + 1))
+    a_j  = softmax_j( q̄ · k_j / sqrt(head_dim) ),  j in S(l) ∪ {l}  (fp32; uniform: 1/(|S|+1))
     ṽ_l = a_l v_l + Σ_{j in S(l)} a_j ṽ_j           (sources contribute their mixed values)
 
 and sequence attention runs on ``(q_l, k_l, ṽ_l)``; ``ṽ_l`` is what the KV cache stores.
