@@ -22,8 +22,9 @@ RECORD_VERSION = 1
 MODEL_FIELDS_FREE = ("name", "init_std")
 """Model options that may differ between a checkpoint and the run that loads it (a preset's
 name is a label; the init std only matters before the first step)."""
-MIXER_FIELDS_FREE = ("impl",)
-"""Mixer options that do not change the computation (a kernel choice)."""
+MIXER_FIELDS_FREE = ("impl", "two_phase")
+"""Mixer options that do not change the computation (a kernel choice, Block AttnRes'
+two-phase inference reads)."""
 
 
 def record(run: RunConfig) -> Dict[str, Any]:

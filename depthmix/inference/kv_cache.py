@@ -19,6 +19,14 @@ import torch
 from torch import Tensor
 
 
+def _owning(t: Tensor) -> Tensor:
+    """``t`` itself if it owns its storage, else a copy: a view (e.g. the value slice of the
+    fused QKV projection) would keep its whole base tensor alive in the cache."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class KVCache:
     def __init__(self, padding: Optional[Tensor] = None):
         self.keys: Dict[Hashable, Tensor] = {}
@@ -27,6 +35,10 @@ class KVCache:
         """Number of token slots already cached (the slot of the next token)."""
         self.padding = padding if padding is not None and bool(padding.any()) else None
         """Left-padding length of each row ``[b]``, or None when no row is padded."""
+        self.counters: Dict[str, int] = {}
+        """Work counters kept by some mixers for benchmarks, summed over forwards (AttnRes:
+        ``attnres/source_reads``, depth-source vectors read per token, see
+        ``docs/methods/attnres.md``)."""
 
     def positions(self, seq_len: int) -> Optional[Tensor]:
         """Per-row positions ``[b, seq_len]`` of this forward's tokens (a row's first real
@@ -67,12 +79,17 @@ class KVCache:
         if layer in self.keys:
             key = torch.cat([self.keys[layer], key], dim=0)
             value = torch.cat([self.values[layer], value], dim=0)
+        else:
+            key, value = _owning(key), _owning(value)
         if keep is None:
             self.keys[layer], self.values[layer] = key, value
         else:
             start = max(0, key.shape[0] - keep)
             self.keys[layer], self.values[layer] = key[start:], value[start:]
         return key, value
+
+    def count(self, name: str, amount: int) -> None:
+        self.counters[name] = self.counters.get(name, 0) + amount
 
     def advance(self, num_tokens: int) -> None:
         """Call after each forward with the number of tokens it added."""

@@ -225,6 +225,8 @@ class DepthMixModel(LanguageModule):
                     gather_output=False, tp_group=self.tp_group,
                 )
         self.input_tensor = None
+        if mixer.bind is not None:
+            mixer.bind(self)
 
     def set_input_tensor(self, input_tensor) -> None:
         if isinstance(input_tensor, list):

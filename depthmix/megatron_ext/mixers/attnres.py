@@ -23,13 +23,17 @@ sublayer output still to be read; Block keeps the completed sums ``b{k}`` and th
 running partial ``p{k}``. The plan lists each entry's exact writer and reader layers, so
 the pipeline transport sends into a chunk only what the receiving rank does not hold
 yet (the paper's cross-stage caching), see ``docs/methods/attnres.md``.
+
+Inference through a KV cache uses the paper's two-phase reads for Block AttnRes
+(``mixer.two_phase``, :class:`TwoPhaseReads`): a block's completed-block reads for all its
+sublayers at once, then each sublayer's partial-sum term merged by online softmax.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core.transformer.module import MegatronModule
@@ -37,6 +41,7 @@ from torch import Tensor
 
 from depthmix.config.schema import ConfigError
 from depthmix.kernels.attnres import attnres_op
+from depthmix.kernels.attnres.two_phase import inter_block_partials, merge_partial
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import STEM, DepthState, Entry
 from depthmix.megatron_ext.layer import ResidualOp
@@ -69,6 +74,10 @@ class AttnResConfig(MixerConfig):
     def sublayers_per_block(self) -> int:
         return 1
 
+    @property
+    def uses_two_phase(self) -> bool:
+        return False
+
     def validate(self, model, parallel) -> None:
         super().validate(model, parallel)
         _check_pre_norm(model)
@@ -89,6 +98,12 @@ class BlockAttnResConfig(MixerConfig):
     """Sublayers per block (attention and MLP count separately), set explicitly instead of
     ``num_blocks`` (it wins when both are set). A ``block_size`` that does not divide ``N``
     leaves a shorter last block."""
+    two_phase: bool = True
+    """Inference through a KV cache (prefill and decode) reads the completed blocks once
+    per block for all its sublayers (phase 1, one batched matmul) and merges each
+    sublayer's partial-sum term by online softmax (phase 2), the paper's two-phase
+    inference. Same result as the per-sublayer reads; false = per-sublayer reads. Training
+    and cache-free forwards always use the per-sublayer reads."""
 
     @property
     def sublayers_per_block(self) -> int:
@@ -99,6 +114,10 @@ class BlockAttnResConfig(MixerConfig):
         if self.block_size is None and self.num_blocks >= 1:
             sublayers = 2 * model.num_layers * model.n_loops
             self.block_size = max(1, -(-sublayers // self.num_blocks))
+
+    @property
+    def uses_two_phase(self) -> bool:
+        return self.two_phase
 
     def validate(self, model, parallel) -> None:
         super().validate(model, parallel)
@@ -195,6 +214,21 @@ class AttnResGeometry:
         else:
             state[self.partial_name(k)] = total
 
+    def source_reads(self, two_phase: bool) -> Tuple[int, int]:
+        """Depth-source vectors (of ``d``) one token reads in one forward, over every
+        sublayer and the head: ``(all reads, reads of completed blocks)``. Per-sublayer
+        reads: sublayer ``i`` of block ``k`` reads ``k`` completed blocks (+ the partial sum
+        unless first in its block). Two-phase: each block's ``k`` completed blocks once for
+        the whole block (phase 1), then one partial sum per later sublayer (phase 2)."""
+        partial = sum(1 for i in range(1, self.head) if self.position_in_block(i) > 0)
+        if two_phase:
+            blocks = sum(self.block_of(i) for i in range(1, self.head)
+                         if self.position_in_block(i) == 0)
+        else:
+            blocks = sum(self.block_of(i) for i in range(1, self.head))
+        blocks += self.block_of(self.head)  # the head reads every block once either way
+        return blocks + partial, blocks
+
     def entries(self, hidden_size: int) -> List[Entry]:
         """The plan: exact writer and reader layers of every entry.
 
@@ -240,12 +274,74 @@ class PseudoQueryRead(MegatronModule):
         # the op implementation is fixed here, from the start-up resolved mixer.impl
         self.attnres = attnres_op(config.mixer.impl)
 
-    def aggregate(self, state: DepthState, i: int, return_weights: bool = False):
+    def aggregate(self, state: DepthState, i: int, return_weights: bool = False,
+                  ctx: Optional[ForwardContext] = None):
         """``h_i`` ``[s, b, h]`` over sublayer ``i``'s sources (and the weights
         ``[S, s, b]`` with ``return_weights``)."""
-        sources = [state[name] for name in self.geometry.sources(i)]
-        return self.attnres(sources, self.query, self.key_norm.weight, self.key_norm.eps,
-                            return_weights=return_weights)
+        names = self.geometry.sources(i)
+        if ctx is not None and ctx.inference is not None:
+            count_reads(ctx, len(names), sum(1 for n in names if not n.startswith("p")))
+        return self.attnres([state[n] for n in names], self.query, self.key_norm.weight,
+                            self.key_norm.eps, return_weights=return_weights)
+
+
+def count_reads(ctx: ForwardContext, reads: int, block_reads: int) -> None:
+    """Per-token depth-source reads of this forward, on the KV cache's counters."""
+    ctx.inference.count("attnres/source_reads", reads)
+    ctx.inference.count("attnres/block_reads", block_reads)
+
+
+class TwoPhaseReads:
+    """Two-phase inference reads of one model chunk (see ``kernels/attnres/two_phase.py``).
+
+    Bound by :func:`bind_two_phase` to the read op of every sublayer the chunk runs. At a
+    block's first sublayer, phase 1 computes the partials of all the block's sublayers and
+    keeps them in the forward's context until the block's last sublayer has read.
+    """
+
+    def __init__(self, geometry: AttnResGeometry, reads: Dict[int, PseudoQueryRead]):
+        self.geometry, self.reads = geometry, reads
+
+    def covers(self, i: int) -> bool:
+        """Whether every sublayer of ``i``'s block runs in this chunk (else per-sublayer reads)."""
+        geo = self.geometry
+        return all(j in self.reads for j in geo.block_range(geo.block_of(i)))
+
+    def aggregate(self, state: DepthState, i: int, ctx: ForwardContext) -> Tensor:
+        geo = self.geometry
+        k, row = geo.block_of(i), geo.position_in_block(i)
+        key = f"attnres/two_phase/{k}"
+        if row == 0:
+            ops = [self.reads[j] for j in geo.block_range(k)]
+            ctx.extras[key] = inter_block_partials(
+                [state[geo.block_name(j)] for j in range(k)],
+                torch.stack([op.query for op in ops]),
+                torch.stack([op.key_norm.weight for op in ops]), ops[0].key_norm.eps)
+            count_reads(ctx, k, k)
+        partials = ctx.extras[key]
+        partial = state[geo.partial_name(k)] if row > 0 else None
+        if partial is not None:
+            count_reads(ctx, 1, 0)
+        if i == geo.block_range(k)[-1]:
+            del ctx.extras[key]
+        op = self.reads[i]
+        return merge_partial(partials, row, partial, op.query, op.key_norm.weight,
+                             op.key_norm.eps, state[geo.block_name(0)].dtype)
+
+
+def bind_two_phase(model) -> None:
+    """``Mixer.bind``: give the residual ops of a Block AttnRes chunk (with
+    ``mixer.two_phase``) one shared :class:`TwoPhaseReads` over all its sublayers."""
+    if not model.config.mixer.uses_two_phase:
+        return
+    geo = AttnResGeometry.from_config(model.config)
+    ops = {}
+    for u, layer in model.decoder.unrolled():
+        for which in ("attn", "mlp"):
+            ops[geo.sublayer(u, which)] = getattr(layer, f"{which}_residual")
+    reads = TwoPhaseReads(geo, {i: op.read_op for i, op in ops.items()})
+    for op in ops.values():
+        op.two_phase = reads  # a plain attribute: ``reads`` refers to modules, owns none
 
 
 class AttnResResidual(ResidualOp):
@@ -255,11 +351,16 @@ class AttnResResidual(ResidualOp):
     def __init__(self, config, layer_number: int = 1, sublayer: str = "attn", **kwargs):
         super().__init__(config, layer_number=layer_number, sublayer=sublayer)
         self.read_op = PseudoQueryRead(config)
+        self.two_phase: Optional[TwoPhaseReads] = None
+        """Set by :func:`bind_two_phase`; used for forwards through a KV cache."""
 
     def read(self, state: DepthState, ctx: ForwardContext) -> Tuple[Tensor, Any]:
         i = AttnResGeometry.sublayer(ctx.layer, self.sublayer)
+        if (ctx.inference is not None and ctx.stats is None and self.two_phase is not None
+                and self.two_phase.covers(i)):
+            return self.two_phase.aggregate(state, i, ctx), None
         if ctx.stats is None:
-            return self.read_op.aggregate(state, i), None
+            return self.read_op.aggregate(state, i, ctx=ctx), None
         x, weights = self.read_op.aggregate(state, i, return_weights=True)
         ctx.record(f"attnres_{self.sublayer}", weights.mean(dim=(1, 2)))
         return x, None
@@ -286,7 +387,7 @@ class AttnResHead(StateHead):
     def forward(self, state: DepthState, ctx: ForwardContext) -> Tensor:
         head = self.read_op.geometry.head
         if ctx.stats is None:
-            return self.read_op.aggregate(state, head)
+            return self.read_op.aggregate(state, head, ctx=ctx)
         x, weights = self.read_op.aggregate(state, head, return_weights=True)
         ctx.stats["head/attnres"] = weights.mean(dim=(1, 2)).detach().float()
         return x
@@ -345,5 +446,5 @@ MIXER_FULL = Mixer(name="attnres_full", config_cls=AttnResConfig,
 MIXER_BLOCK = Mixer(name="attnres_block", config_cls=BlockAttnResConfig,
                     model_spec=get_attnres_model_spec, plan=attnres_plan,
                     extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
-                   extra_params=extra_params)
+                    extra_params=extra_params, bind=bind_two_phase)
 MIXERS = {m.name: m for m in (MIXER_FULL, MIXER_BLOCK)}

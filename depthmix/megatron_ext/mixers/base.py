@@ -97,6 +97,10 @@ class Mixer:
     ``tp``, replicated ones whole; ``tp = 1`` is the whole model), per stored layer and
     on the stem/head. ShortSWA is not included (the accounting adds it). Used for the
     parameter count and the dry run's per-stage memory estimate."""
+    bind: Optional[Callable] = None
+    """``(DepthMixModel) -> None``, called once on every built model chunk: for mixers
+    whose modules need each other (AttnRes' two-phase inference reads a whole block's
+    pseudo-queries at once). None: nothing to bind."""
 
 
 def residual_stream_entry(config) -> Entry:

@@ -333,3 +333,92 @@ def test_cross_stage_caching_saving_factor_closed_form():
     # bytes per transition: e * b * (s / tp under SP) * h per block
     sp = transport(8, 2, pp=2, vp=2, seq=16, hidden=64, tp=2, sp=True)
     assert sp.payload_bytes(2, micro_batch_size=3, element_size=2) == 2 * 3 * 8 * 64 * 2
+
+
+# ---------------------------------------------------------------------------------------
+# Two-phase inference (Block AttnRes through a KV cache)
+# ---------------------------------------------------------------------------------------
+
+
+def decode_with_counters(model, ids, prefill=3):
+    """Logits of a prefill then one token at a time, and the cache's read counters per
+    forward (each forward's count is per token)."""
+    from depthmix.inference import KVCache
+
+    cache, outs = KVCache(), []
+    with torch.no_grad():
+        outs.append(model(ids[:, :prefill], inference=cache))
+        cache.advance(prefill)
+        for t in range(prefill, ids.shape[1]):
+            outs.append(model(ids[:, t:t + 1], inference=cache))
+            cache.advance(1)
+    forwards = 1 + ids.shape[1] - prefill
+    counts = {k: v / forwards for k, v in cache.counters.items()}
+    return torch.cat(outs, dim=1), counts
+
+
+TWO_PHASE_CASES = [
+    pytest.param(1, 1, id="block1"),
+    pytest.param(2, 1, id="block2"),
+    pytest.param(4, 1, id="block4"),
+    pytest.param(8, 1, id="block8-one-block"),
+    pytest.param(3, 3, id="block3-loops3-straddles-layers"),
+    pytest.param(6, 3, id="block6-loops3"),
+    pytest.param(3, 1, id="block3-ragged"),
+    pytest.param(5, 1, id="block5-ragged"),
+]
+
+
+@pytest.mark.parametrize("block_size,n_loops", TWO_PHASE_CASES)
+def test_two_phase_decode_equals_per_sublayer_reads_fp64(megatron_single, block_size, n_loops):
+    two = perturb(make("attnres_block", n_loops=n_loops, block_size=block_size)).eval()
+    plain = perturb(make("attnres_block", n_loops=n_loops, block_size=block_size,
+                         two_phase=False)).eval()
+    ids = ids_for()
+    a, reads_two = decode_with_counters(two, ids)
+    b, reads_plain = decode_with_counters(plain, ids)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(a, two(ids), rtol=1e-10, atol=1e-12)
+    geo = AttnResGeometry.from_config(two.config)
+    assert reads_two == dict(zip(("attnres/source_reads", "attnres/block_reads"),
+                                 geo.source_reads(two_phase=True)))
+    assert reads_plain == dict(zip(("attnres/source_reads", "attnres/block_reads"),
+                                   geo.source_reads(two_phase=False)))
+
+
+@pytest.mark.parametrize("layers,block_size", [(4, 4), (6, 12), (8, 4), (24, 12)])
+def test_two_phase_reads_each_completed_block_once_per_block(layers, block_size):
+    """Per sublayer, the plain path reads all ``k`` completed blocks; two-phase reads them
+    once per block: ``m`` times fewer completed-block reads (the head reads every block once
+    in both), and the same partial-sum reads."""
+    geo = AttnResGeometry(2 * layers, block_size)
+    total_two, blocks_two = geo.source_reads(two_phase=True)
+    total_plain, blocks_plain = geo.source_reads(two_phase=False)
+    head = geo.block_of(geo.head)
+    assert blocks_plain - head == block_size * (blocks_two - head)
+    assert total_plain - blocks_plain == total_two - blocks_two  # partial sums, both
+    nb = 2 * layers // block_size  # blocks 1..nb, block k's sublayers read k blocks
+    assert blocks_two - head == nb * (nb + 1) // 2
+
+
+def test_two_phase_merge_with_a_partially_filled_block_fp64():
+    """The op: for every fill of the current block (no partial sum yet, 1 .. m-1 outputs
+    summed), phase 1 + phase 2 equals one softmax over the completed blocks and the partial."""
+    from depthmix.kernels.attnres import attnres_reference
+    from depthmix.kernels.attnres.two_phase import inter_block_partials, merge_partial
+
+    g = torch.Generator().manual_seed(0)
+    m, d, eps = 5, 32, 1e-6
+    blocks = [torch.randn(3, 2, d, generator=g, dtype=F64) * (j + 1) for j in range(3)]
+    queries = torch.randn(m, d, generator=g, dtype=F64)
+    gains = 1 + 0.3 * torch.randn(m, d, generator=g, dtype=F64)
+    partials = inter_block_partials(blocks, queries, gains, eps)
+    partial = None
+    for row in range(m):
+        got = merge_partial(partials, row, partial, queries[row], gains[row], eps, F64)
+        sources = blocks + ([partial] if partial is not None else [])
+        want = attnres_reference(sources, queries[row], gains[row], eps)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        y = torch.randn(3, 2, d, generator=g, dtype=F64) * 4
+        partial = y if partial is None else partial + y

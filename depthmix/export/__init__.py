@@ -1,0 +1,1 @@
+"""Export checkpoints to other frameworks (``depthmix-export``: Hugging Face transformers)."""

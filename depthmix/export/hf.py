@@ -1,0 +1,233 @@
+"""``depthmix-export``: a checkpoint -> a Hugging Face ``transformers`` model directory.
+
+* ``mixer=vanilla`` -> ``Qwen3ForCausalLM`` (``model_type: qwen3``), loaded by
+  ``AutoModelForCausalLM.from_pretrained(out)`` with no custom code;
+* ``mixer=depth_attn`` (no extra parameters) -> the same weights, ``model_type:
+  depthmix_qwen3`` and ``modeling_depthmix_qwen3.py`` beside them, loaded with
+  ``trust_remote_code=True`` (``auto_map`` in ``config.json``);
+* any other mixer is refused, naming it, until its modeling code exists.
+
+The checkpoint may have been saved at any TP/PP/VP layout (``load_model`` reshards). Weights
+map from Megatron's names: the fused ``linear_qkv`` (per KV group: its ``G`` query heads,
+then the key, then the value) splits into ``q_proj``/``k_proj``/``v_proj``, the fused SwiGLU
+``linear_fc1`` (gate rows, then up rows) into ``gate_proj``/``up_proj``. The embedding and
+output layer are padded beyond the tokenizer's vocabulary for Megatron; the export keeps the
+real vocabulary (``model.vocab_size`` rows), so the exported logits are ours with the padded
+columns dropped. The directory also holds the tokenizer (``tokenizer.json`` plus
+``tokenizer_config.json`` / ``special_tokens_map.json``) when the checkpoint carries one or
+``--tokenizer`` names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from depthmix.config.schema import ConfigError
+
+log = logging.getLogger("depthmix")
+
+SUPPORTED = ("vanilla", "depth_attn")
+REMOTE_CODE = "modeling_depthmix_qwen3.py"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_exportable(run) -> None:
+    """Raise :class:`ConfigError` naming the option when no ``transformers`` model matches."""
+    m, mixer = run.model, run.mixer
+    if mixer.name not in SUPPORTED:
+        raise ConfigError(f"mixer={mixer.name}: no Hugging Face modeling code for this mixer "
+                          f"yet; depthmix-export supports {list(SUPPORTED)}")
+    if mixer.short_swa_window:
+        raise ConfigError(f"mixer.short_swa_window={mixer.short_swa_window}: ShortSWA has no "
+                          "Hugging Face modeling code yet; export supports it off (0)")
+    if m.norm_position != "pre":
+        raise ConfigError(f"model.norm_position={m.norm_position}: Qwen3 is pre-norm")
+    if not m.qk_layernorm:
+        raise ConfigError("model.qk_layernorm=false: Qwen3 always normalises queries and keys")
+    if m.n_loops != 1:
+        raise ConfigError(f"model.n_loops={m.n_loops}: looped models have no Hugging Face "
+                          "modeling code yet")
+    if mixer.name == "depth_attn" and mixer.mixed_state != "value":
+        raise ConfigError(f"mixer.mixed_state={mixer.mixed_state}: the exported modeling code "
+                          "implements mixed_state=value only")
+
+
+def head_dim(m) -> int:
+    return m.head_dim or m.hidden_size // m.num_attention_heads
+
+
+def hf_config(run, dtype: torch.dtype, special: Dict[str, Optional[int]]) -> dict:
+    """``config.json`` for the exported model."""
+    m = run.model
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_query_groups,
+        "head_dim": head_dim(m),
+        "hidden_act": "silu",
+        "max_position_embeddings": m.seq_length,
+        "rms_norm_eps": m.norm_epsilon,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rotary_base)},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "initializer_range": m.init_std,
+        "use_cache": True,
+        "dtype": str(dtype).replace("torch.", ""),
+        **special,
+    }
+    if run.mixer.name == "depth_attn":
+        name = REMOTE_CODE[:-3]
+        config.update(
+            architectures=["DepthMixQwen3ForCausalLM"], model_type="depthmix_qwen3",
+            auto_map={"AutoConfig": f"{name}.DepthMixQwen3Config",
+                      "AutoModelForCausalLM": f"{name}.DepthMixQwen3ForCausalLM"},
+            depth_attn_stride=run.mixer.stride, depth_attn_source_mode=run.mixer.source_mode,
+            depth_attn_mix_rule=run.mixer.mix_rule)
+    return config
+
+
+def hf_state_dict(model, run) -> Dict[str, torch.Tensor]:
+    """Our single-rank model's weights under Qwen3's names (every parameter used once)."""
+    m = run.model
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    used = set()
+
+    def take(name: str) -> torch.Tensor:
+        used.add(name)
+        return params[name]
+
+    ng, hd = m.num_query_groups, head_dim(m)
+    G = m.num_attention_heads // ng
+    vocab = m.vocab_size
+    out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")[:vocab],
+           "model.norm.weight": take("final_layernorm.weight"),
+           "lm_head.weight": take("output_layer.weight")[:vocab]}
+    for i in range(m.num_layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = take(src + "self_attention.linear_qkv.weight").view(ng, G + 2, hd, -1)
+        gate, up = take(src + "mlp.linear_fc1.weight").chunk(2, dim=0)
+        out.update({
+            dst + "input_layernorm.weight": take(src + "input_layernorm.weight"),
+            dst + "self_attn.q_proj.weight": qkv[:, :G].reshape(ng * G * hd, -1),
+            dst + "self_attn.k_proj.weight": qkv[:, G].reshape(ng * hd, -1),
+            dst + "self_attn.v_proj.weight": qkv[:, G + 1].reshape(ng * hd, -1),
+            dst + "self_attn.q_norm.weight": take(src + "self_attention.q_layernorm.weight"),
+            dst + "self_attn.k_norm.weight": take(src + "self_attention.k_layernorm.weight"),
+            dst + "self_attn.o_proj.weight": take(src + "self_attention.linear_proj.weight"),
+            dst + "post_attention_layernorm.weight": take(src + "pre_mlp_layernorm.weight"),
+            dst + "mlp.gate_proj.weight": gate,
+            dst + "mlp.up_proj.weight": up,
+            dst + "mlp.down_proj.weight": take(src + "mlp.linear_fc2.weight"),
+        })
+    left = sorted(set(params) - used)
+    if left:  # a parameter Qwen3 has no place for: exporting would silently drop it
+        raise ConfigError(f"mixer={run.mixer.name}: parameters with no Qwen3 counterpart: "
+                          f"{left[:4]}{' ...' if len(left) > 4 else ''}")
+    return out
+
+
+def _save_tokenizer(path: str, out_dir: str, seq_length: int) -> Dict[str, Optional[int]]:
+    """Write the tokenizer files ``AutoTokenizer`` reads; returns the special-token ids."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from depthmix.data.tokenizer import HFTokenizer
+
+    ours, tok = HFTokenizer(path), Tokenizer.from_file(path)
+    bos = eos = tok.id_to_token(ours.eod)
+    pad = tok.id_to_token(ours.pad)
+    hf = PreTrainedTokenizerFast(tokenizer_file=path, bos_token=bos, eos_token=eos,
+                                 pad_token=pad, model_max_length=seq_length)
+    hf.save_pretrained(out_dir)
+    return {"bos_token_id": ours.eod, "eos_token_id": ours.eod, "pad_token_id": ours.pad}
+
+
+def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
+           tokenizer: Optional[str] = None) -> str:
+    """Export ``checkpoint`` (a save dir or one ``iter_*``) to ``out_dir``; returns ``out_dir``.
+
+    ``dtype``: ``fp32``, ``bf16`` or ``fp16`` (default: the training precision).
+    ``tokenizer``: a ``tokenizers`` JSON file (default: the one saved with the checkpoint).
+    """
+    from safetensors.torch import save_file
+
+    from depthmix.config.fingerprint import run_from_record
+    from depthmix.inference.load import find_checkpoint, load_model
+    from depthmix.pretrain import checkpoint as ckpt
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype={dtype} must be one of {list(DTYPES)}")
+    found = find_checkpoint(checkpoint, option="checkpoint")
+    run = run_from_record(ckpt.read_meta(found)["record"], impl="torch")
+    check_exportable(run)  # before loading any weights
+    if tokenizer is not None and not os.path.isfile(tokenizer):
+        raise ConfigError(f"--tokenizer={tokenizer}: no such file")
+    torch_dtype = DTYPES[dtype or run.train.precision]
+    loaded = load_model(found, impl="torch", device=torch.device("cpu"))
+    tokenizer = tokenizer or loaded.tokenizer_path
+
+    os.makedirs(out_dir, exist_ok=True)
+    special = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    if tokenizer is not None:
+        special = _save_tokenizer(tokenizer, out_dir, run.model.seq_length)
+    else:
+        log.warning("depthmix-export: %s carries no tokenizer and --tokenizer is not given; "
+                    "exporting the model without tokenizer files", found)
+    weights = {k: v.to(torch_dtype).contiguous() for k, v in
+               hf_state_dict(loaded.model, run).items()}
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config(run, torch_dtype, special), f, indent=2)
+    if run.mixer.name == "depth_attn":
+        shutil.copyfile(os.path.join(os.path.dirname(__file__), REMOTE_CODE),
+                        os.path.join(out_dir, REMOTE_CODE))
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({k: v for k, v in special.items() if v is not None}, f, indent=2)
+    return out_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="depthmix-export",
+        description="Export a depthmix checkpoint (vanilla or depth_attn, any TP/PP layout) "
+                    "to a Hugging Face transformers model directory.")
+    p.add_argument("checkpoint", help="a save directory (its latest checkpoint) or one iter_* dir")
+    p.add_argument("out_dir", help="directory to write config.json, model.safetensors, "
+                                   "tokenizer files (and remote code for depth_attn)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="weights dtype (default: the training precision)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizers JSON file (default: the one saved with the checkpoint)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        out = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer)
+    except ConfigError as e:
+        print(f"depthmix-export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

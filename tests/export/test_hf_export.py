@@ -1,0 +1,166 @@
+"""depthmix-export: checkpoints (any layout) -> transformers models whose logits equal ours."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from depthmix.config.fingerprint import record
+from depthmix.data.tokenizer import HFTokenizer, train_bpe_tokenizer
+from depthmix.export.hf import main as export_main
+from depthmix.inference.generate import generate
+from depthmix.inference.load import load_model
+from depthmix.testing import SyntheticData, spawn, tiny_run
+
+VOCAB = 300  # real vocabulary; the embedding is padded to 320 (384 at TP2)
+TEXTS = ["the quick brown fox jumps over the lazy dog", "depth mixing reads earlier layers",
+         "attention over depth and over the sequence", "a tiny model for a tiny test"] * 8
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    train_bpe_tokenizer(TEXTS, VOCAB - 10, path)
+    return path
+
+
+def make_run(mixer="vanilla", tp=1, **options):
+    run = tiny_run(mixer, **options)
+    run.model.vocab_size = VOCAB
+    t = run.train
+    t.micro_batch_size, t.global_batch_size, t.steps, t.lr = 2, 2 * tp, 1, 3e-2
+    t.eval_interval, t.log_interval = 0, 1
+    run.logger.wandb, run.logger.mode, run.logger.progress = False, "disabled", False
+    run.parallel.tp = tp
+    return run
+
+
+def train_and_save(run, root, tokenizer):
+    """One step of ``run``, then a checkpoint carrying ``tokenizer``. Collective."""
+    from megatron.core import parallel_state
+
+    from depthmix.pretrain import checkpoint as ckpt
+    from depthmix.pretrain.trainer import Trainer
+
+    run.train.save_dir, run.output_dir = root, os.path.dirname(root)
+    trainer = Trainer(run, data=SyntheticData, callbacks=[])
+    trainer.train_one_step()
+    trainer.data.tokenizer = HFTokenizer(tokenizer)  # saved beside the weights
+    path = ckpt.save(trainer, root)
+    del trainer
+    parallel_state.destroy_model_parallel()
+    return path
+
+
+def ours_and_hf(ckpt_dir, out_dir, **hf_kwargs):
+    from transformers import AutoModelForCausalLM
+
+    assert export_main([ckpt_dir, out_dir]) == 0
+    ours = load_model(ckpt_dir)
+    hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, **hf_kwargs).eval()
+    return ours, hf
+
+
+def assert_same_logits(ours, hf):
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours.model(ids)[..., :VOCAB]
+        got = hf(ids).logits
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def vanilla_export(megatron_single, tokenizer_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vanilla")
+    ckpt_dir = train_and_save(make_run(), str(root / "ckpt"), tokenizer_file)
+    return ckpt_dir, str(root / "hf_vanilla")
+
+
+def test_vanilla_loads_without_custom_code_and_matches(vanilla_export, tokenizer_file):
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    ckpt_dir, out = vanilla_export
+    ours, hf = ours_and_hf(ckpt_dir, out)
+    assert type(hf) is Qwen3ForCausalLM
+    ids = assert_same_logits(ours, hf)
+
+    # greedy decoding: HF's generate with its cache == ours with our KV cache
+    prompt = ids[:, :5]
+    mine = generate(ours.model, prompt, max_new_tokens=6, vocab_size=VOCAB)
+    theirs = hf.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert torch.equal(theirs, mine)
+
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "the lazy fox reads depth"
+    assert tok(text)["input_ids"] == HFTokenizer(tokenizer_file).encode(text)
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (0, 0, 1)
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["vocab_size"] == VOCAB and config["tie_word_embeddings"] is False
+    assert "auto_map" not in config
+
+
+@pytest.mark.parametrize("options", [{}, {"stride": 1, "source_mode": "relative"},
+                                     {"stride": 3, "mix_rule": "uniform"}],
+                         ids=["default-stride", "stride1-relative", "stride3-uniform"])
+def test_depth_attn_through_remote_code_matches(megatron_single, tokenizer_file, tmp_path,
+                                                options):
+    ckpt_dir = train_and_save(make_run("depth_attn", **options), str(tmp_path / "ckpt"),
+                              tokenizer_file)
+    out = str(tmp_path / f"hf_depth_attn_{'_'.join(map(str, options.values())) or 'default'}")
+    ours, hf = ours_and_hf(ckpt_dir, out, trust_remote_code=True)
+    assert type(hf).__name__ == "DepthMixQwen3ForCausalLM"
+    ids = assert_same_logits(ours, hf)
+    prompt = ids[:1, :4]
+    mine = generate(ours.model, prompt, max_new_tokens=4, vocab_size=VOCAB)
+    assert torch.equal(hf.generate(prompt, max_new_tokens=4, do_sample=False,
+                                   min_new_tokens=4), mine)
+
+
+def test_depth_attn_export_needs_trust_remote_code(megatron_single, tokenizer_file, tmp_path):
+    """Without remote code the directory must not load as a plain Qwen3 (silently wrong)."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt_dir = train_and_save(make_run("depth_attn"), str(tmp_path / "ckpt"), tokenizer_file)
+    out = str(tmp_path / "hf_depth_attn_plain")
+    assert export_main([ckpt_dir, out]) == 0
+    with pytest.raises(Exception, match="trust_remote_code"):
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
+
+
+@pytest.mark.parametrize("mixer,options,message", [
+    ("mhc", {}, "mixer=mhc"),
+    ("attnres_block", {"block_size": 4}, "mixer=attnres_block"),
+    ("depth_attn", {"mixed_state": "key"}, "mixer.mixed_state=key"),
+])
+def test_other_mixers_are_refused_before_loading(tmp_path, capsys, mixer, options, message):
+    """A checkpoint whose record names another mixer: exit 2, one line naming it, nothing
+    written (only the record is read: the directory holds no weights at all)."""
+    ckpt_dir = tmp_path / "iter_0000001"
+    ckpt_dir.mkdir()
+    meta = {"format_version": 1, "step": 1, "record": record(tiny_run(mixer, **options))}
+    (ckpt_dir / "depthmix.json").write_text(json.dumps(meta))
+    out = tmp_path / "hf"
+    assert export_main([str(ckpt_dir), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def _train_tp2(root, tokenizer):
+    return train_and_save(make_run(tp=2), root, tokenizer)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_checkpoint_saved_at_tp2_exports_the_same_model(megatron_single, tokenizer_file,
+                                                        tmp_path):
+    root = str(tmp_path / "ckpt_tp2")
+    spawn(_train_tp2, 2, (root, tokenizer_file), timeout=240)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "1"
+    ours, hf = ours_and_hf(root, str(tmp_path / "hf_tp2"))
+    assert ours.meta["layout"]["tp"] == 2
+    assert_same_logits(ours, hf)
