@@ -1,0 +1,1 @@
+"""Evaluation of checkpoints: ``depthmix-eval`` (perplexity on token datasets, lm-eval tasks)."""
