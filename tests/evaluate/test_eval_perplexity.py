@@ -98,21 +98,25 @@ def single(trained):
         return {"results": json.load(f), "stdout": proc.stdout, "tmp": tmp}
 
 
-def _direct_loss(ckpt: str, prefix: str, seq_length: int) -> tuple:
-    """Mean NLL over the windows by a plain forward of the model loaded into this process."""
-    from depthmix.evaluate.windows import TokenStream, all_windows, num_windows
+def _direct_losses(ckpt: str, prefixes: dict, seq_length: int) -> dict:
+    """Mean NLL per dataset by a plain forward of the model loaded into this process, over
+    windows cut here from the raw ``.bin`` (the partial last window forwarded as it is)."""
     from depthmix.inference.load import load_model
 
     loaded = load_model(ckpt)
-    stream = TokenStream(prefix, "test")
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for w in all_windows(stream.tokens, num_windows(len(stream), seq_length), seq_length):
-            logits = loaded.model(w["tokens"][None])[0].double()  # [s, vocab]
-            nll = -torch.log_softmax(logits, -1).gather(-1, w["labels"][:, None])[:, 0]
-            total += float((nll * w["loss_mask"].double()).sum())
-            tokens += int(w["loss_mask"].sum())
-    return total / tokens, tokens
+    out = {}
+    for name, prefix in prefixes.items():
+        stream = torch.from_numpy(np.fromfile(f"{prefix}.bin", dtype=np.uint16).astype(np.int64))
+        total, tokens = 0.0, 0
+        with torch.no_grad():
+            for start in range(0, len(stream) - 1, seq_length):
+                piece = stream[start:start + seq_length + 1]
+                logits = loaded.model(piece[None, :-1])[0].double()  # [s, vocab]
+                nll = -torch.log_softmax(logits, -1).gather(-1, piece[1:, None])
+                total += float(nll.sum())
+                tokens += len(piece) - 1
+        out[name] = (total / tokens, tokens)
+    return out
 
 
 @pytest.mark.multiproc
@@ -136,8 +140,10 @@ def test_perplexity_equals_a_direct_computation(trained, single):
     res = single["results"]
     assert res["step"] == 2 and res["mixer"] == "depth_attn"
     s = res["seq_length"]
+    direct = _direct_losses(trained["ckpt"], {n: os.path.join(trained["tmp"], n) for n in SIZES},
+                            s)
     for name, n in SIZES.items():
-        loss, tokens = _direct_loss(trained["ckpt"], os.path.join(trained["tmp"], name), s)
+        loss, tokens = direct[name]
         got = res["datasets"][name]
         assert got["tokens"] == tokens == n - 1  # every token but the first, once
         assert got["windows"] == -(-(n - 1) // s)
