@@ -142,7 +142,7 @@ def _datasets(ev: EvalConfig, run: RunConfig) -> List[Dataset]:
     s, vocab = run.model.seq_length, run.model.vocab_size
     for name, prefix in (ev.datasets or {}).items():
         option = f"eval.datasets.{name}"
-        stream = TokenStream(prefix, option)
+        stream = TokenStream(os.path.expanduser(prefix), option)
         if len(stream) < s + 1:
             raise ConfigError(
                 f"{option}={prefix} has {len(stream)} tokens, fewer than one window "
