@@ -167,3 +167,33 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: str = "."
+
+
+@dataclass
+class EvalConfig:
+    """``depthmix-eval``: what to evaluate and where the results go (``eval.*``)."""
+
+    checkpoint: Optional[str] = None
+    """A checkpoint directory: a ``train.save_dir`` (its latest checkpoint) or one
+    ``iter_*`` directory. Required. Its model and mixer configuration are used; any
+    ``model=``/``mixer=`` option also given must agree with it."""
+    datasets: Any = None
+    """Name -> Megatron data prefix (``path/to/doc`` for ``doc.bin/.idx``), e.g.
+    ``{pile_val: /data/pile/val_text_document}``; each is evaluated over its whole token
+    stream and reported separately, then pooled (token-weighted)."""
+    batch_size: int = 8
+    """Windows per micro-batch on each data-parallel rank (lm-eval: requests per batch)."""
+    max_windows: Optional[int] = None
+    """Evaluate only the first N windows of each dataset (None = all)."""
+    name: str = "eval"
+    """Results go to ``<checkpoint>/eval/<name>.json`` unless ``eval.output`` is set."""
+    output: Optional[str] = None
+    """Path of the results JSON (default ``<checkpoint iter dir>/eval/<eval.name>.json``)."""
+    tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness task or group names (single process only)."""
+    num_fewshot: Optional[int] = None
+    """Few-shot examples per lm-eval task (None = the task's default)."""
+    limit: Optional[float] = None
+    """lm-eval: at most this many documents per task (< 1: a fraction of them)."""
+    include_path: Optional[str] = None
+    """lm-eval: a directory of extra task YAML files."""

@@ -11,6 +11,7 @@ from hydra.core.config_store import ConfigStore
 
 from depthmix.config.schema import (
     DataConfig,
+    EvalConfig,
     LoggerConfig,
     ModelConfig,
     ParallelConfig,
@@ -29,7 +30,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     for group, schema in (("model", ModelConfig), ("parallel", ParallelConfig),
                           ("data", DataConfig), ("train", TrainConfig),
-                          ("logger", LoggerConfig)):
+                          ("logger", LoggerConfig), ("eval", EvalConfig)):
         cs.store(group=group, name=f"{group}_schema", node=schema)
     for name in available():
         cs.store(group="mixer", name=f"{name}_schema", node=get_mixer(name).config_cls)

@@ -1,2 +1,2 @@
-"""Evaluation of depthmix checkpoints: perplexity on token datasets and downstream tasks
-through lm-evaluation-harness (``harness``)."""
+"""Evaluation of checkpoints: ``depthmix-eval`` (perplexity on token datasets at any layout;
+lm-eval tasks through ``harness``)."""

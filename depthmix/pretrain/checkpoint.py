@@ -356,7 +356,7 @@ def load(trainer, path: str, load_optimizer: bool = True) -> dict:
             with _keep_adam_steps(trainer.optimizer, optim_format):
                 trainer.optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(trainer.optimizer)
-        else:
+        elif trainer.optimizer is not None:  # None: evaluation builds no optimizer
             trainer.optimizer.reload_model_params()
     if load_optimizer:
         _load_scheduler(trainer.scheduler, loaded["scheduler"])
