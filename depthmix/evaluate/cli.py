@@ -55,6 +55,10 @@ def run_job(job) -> dict:
     results = report.results_dict(job, datasets, tasks, time.perf_counter() - start)
     if dist.get_rank() == 0:
         report.write_json(job.output, results)
+        if tasks:
+            from lm_eval.utils import make_table
+
+            print(make_table(tasks), flush=True)
         if datasets:
             print(report.table(datasets), flush=True)
         print(f"results written to {job.output}", flush=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import logging
 import sys
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -305,6 +306,7 @@ def evaluate_tasks(loaded, tasks: Sequence[str], num_fewshot: Optional[int] = No
     """
     from lm_eval import simple_evaluate
 
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)  # its per-stage info lines are noise
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     if not tasks:
         raise ConfigError("eval.tasks is empty: name at least one lm-eval task or group")
