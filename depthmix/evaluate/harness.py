@@ -22,8 +22,8 @@ imported: run ``python -m depthmix.evaluate.harness`` with lm_eval's usual argum
 from __future__ import annotations
 
 import difflib
-import os
 import logging
+import os
 import sys
 from typing import List, Optional, Sequence, Tuple, Union
 
