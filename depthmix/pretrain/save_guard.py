@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -228,9 +229,14 @@ def watch_children() -> None:
     libc = ctypes.CDLL(None, use_errno=True)  # loaded now: a forked child only calls it
 
     def before() -> None:
-        _fork_state["parent"] = os.getpid()
+        # the kernel signals when the forking *thread* ends: only the main thread's forks
+        # (Megatron's writers, data workers) are tied to the process's lifetime
+        main = threading.current_thread() is threading.main_thread()
+        _fork_state["parent"] = os.getpid() if main else None
 
     def in_child() -> None:
+        if _fork_state["parent"] is None:
+            return
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != _fork_state["parent"]:  # the parent died before prctl
             os._exit(1)
