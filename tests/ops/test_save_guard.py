@@ -28,12 +28,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _trainer(save_dir, callbacks=None, **train):
+    data = train.pop("data", SyntheticData)
     run = make_run(steps=train.pop("steps", 6))
     run.output_dir = os.path.dirname(save_dir)
     run.train.save_dir = save_dir
     for key, value in train.items():
         setattr(run.train, key, value)
-    return Trainer(run, data=train.pop("data", SyntheticData),
+    return Trainer(run, data=data,
                    callbacks=[CheckpointCallback()] if callbacks is None else callbacks)
 
 
