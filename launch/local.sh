@@ -5,6 +5,10 @@
 # Arguments are depthmix-train (Hydra) overrides. Output: outputs/local/<start time>/...;
 # to resume, rerun with the same DEPTHMIX_RUN_KEY (printed below) or with
 # train.load_dir=<that directory>/checkpoints.
+#
+# Signals: SIGTERM (kill <pid of this script>), SIGHUP and Ctrl-C make every rank finish its
+# step or eval batch, save and exit; the status is then 0. A second Ctrl-C aborts at once
+# without saving (status 130).
 set -euo pipefail
 
 if [ -z "${NPROC_PER_NODE:-}" ]; then
@@ -18,5 +22,54 @@ DEPTHMIX_RUN_KEY=${DEPTHMIX_RUN_KEY:-local/$(date +%Y-%m-%d_%H-%M-%S)}
 export DEPTHMIX_RUN_KEY
 echo "[depthmix] ${NPROC_PER_NODE} rank(s); DEPTHMIX_RUN_KEY=${DEPTHMIX_RUN_KEY}"
 
-exec "${DEPTHMIX_PYTHON:-python}" -m torch.distributed.run --standalone \
-    --nproc-per-node="$NPROC_PER_NODE" -m depthmix.pretrain.train "$@"
+# Each rank that exits 0 leaves a mark here: torchrun exits 1 whenever it got a signal itself,
+# even after every rank saved and exited 0, so the marks decide the status.
+DEPTHMIX_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/depthmix-exit.XXXXXX")
+export DEPTHMIX_EXIT_DIR
+# On a signal torchrun forwards it to the ranks and waits this long before killing them.
+export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-600}
+
+# torchrun runs in its own session: a signal for this script (or Ctrl-C on the terminal)
+# reaches it once, forwarded below, never twice.
+setsid "${DEPTHMIX_PYTHON:-python}" -m torch.distributed.run --standalone \
+    --nproc-per-node="$NPROC_PER_NODE" -m depthmix.pretrain.train "$@" &
+torchrun_pid=$!
+
+interrupts=0
+# shellcheck disable=SC2329  # invoked by the traps below
+forward() {
+    if [ "$1" = INT ]; then
+        interrupts=$((interrupts + 1))
+        if [ "$interrupts" -ge 2 ]; then  # second Ctrl-C: straight to the ranks, which abort
+            pkill -INT -P "$torchrun_pid" || true
+            return
+        fi
+    fi
+    kill -s "$1" "$torchrun_pid" 2>/dev/null || true
+}
+trap 'forward TERM' TERM
+trap 'forward TERM' HUP
+trap 'forward INT' INT
+
+# `wait` returns early (status > 128) when a trap runs; keep waiting for torchrun itself.
+set +e
+while :; do
+    wait "$torchrun_pid"
+    status=$?
+    if [ "$status" -gt 128 ] && kill -0 "$torchrun_pid" 2>/dev/null; then
+        continue
+    fi
+    break
+done
+set -e
+
+marks=$(find "$DEPTHMIX_EXIT_DIR" -name 'rank*' | wc -l)
+if [ "$status" -ne 0 ] && [ "$interrupts" -lt 2 ] && [ "$marks" -eq "$NPROC_PER_NODE" ]; then
+    echo "[depthmix] torchrun exited ${status} after a signal, but all ${marks} ranks saved and" \
+         "exited 0: exit 0"
+    status=0
+elif [ "$interrupts" -ge 2 ]; then
+    status=130
+fi
+rm -rf "$DEPTHMIX_EXIT_DIR"
+exit "$status"

@@ -127,7 +127,8 @@ class TrainConfig:
     ckpt_fully_parallel: bool = True
     """Spread saving/loading of replicated tensors over the data-parallel ranks."""
     save_on_preemption: bool = True
-    """On SIGTERM/SIGUSR1 (and submitit's signal): finish the step, save, exit 0."""
+    """On SIGTERM/SIGUSR1/SIGINT (and submitit's signal): finish the step (or eval batch),
+    save, exit 0; a second SIGINT aborts without saving (exit 130)."""
     exit_after_steps: Optional[int] = None
     """Stop after this many steps of this invocation (resume tests, time-boxed jobs)."""
     dry_run: bool = False

@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from depthmix.config.fingerprint import record
 from depthmix.config.schema import ConfigError
+from depthmix.pretrain import save_guard
 
 log = logging.getLogger("depthmix")
 
@@ -255,6 +256,7 @@ def _load_strategy(path: str, fully_parallel: bool):
 # ---------------------------------------------------------------------------------------
 
 
+@save_guard.guarded  # room before, clean failure after: see save_guard
 def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = None) -> str:
     """Collective: write the checkpoint of ``trainer.step`` and publish it. Returns its path."""
     t = trainer.run.train

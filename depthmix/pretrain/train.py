@@ -58,6 +58,9 @@ def hydra_main(cfg: DictConfig) -> None:
     if trainer.stop_reason:
         log.info("stopped at step %d: %s (exit 0; resume by re-running)", trainer.step,
                  trainer.stop_reason)
+    from depthmix.pretrain.callbacks.preemption import mark_clean_exit
+
+    mark_clean_exit(f"{trainer.stop_reason or 'finished'} at step {trainer.step}")
 
 
 def _nonzero_rank_overrides() -> list:

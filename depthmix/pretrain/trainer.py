@@ -109,9 +109,14 @@ class Trainer:
 
     def evaluate(self) -> StepResult:
         iterator = self.data.valid_iterator()
-        results = [eval_step(self.model, take(iterator, self.num_microbatches),
-                             self.run.model.seq_length)
-                   for _ in range(self.run.train.eval_iters)]
+        results = []
+        for i in range(self.run.train.eval_iters):
+            results.append(eval_step(self.model, take(iterator, self.num_microbatches),
+                                     self.run.model.seq_length))
+            for cb in self.callbacks:
+                cb.post_eval_batch(self, i)
+            if self.stop_reason is not None:  # e.g. preempted: save now, not after the eval
+                break
         tokens = sum(r.tokens for r in results)
         loss = sum(r.loss * r.tokens for r in results) / max(tokens, 1)
         return StepResult(loss=loss, tokens=tokens)
@@ -134,13 +139,16 @@ class Trainer:
                 cb.post_step(self, result)
             if t.eval_interval and self.step % t.eval_interval == 0 and self.stop_reason is None:
                 self._run_eval()  # not while being preempted: save first
-        if t.eval_interval and self.step % t.eval_interval and self.step >= t.steps:
+        if (t.eval_interval and self.step % t.eval_interval and self.step >= t.steps
+                and self.stop_reason is None):
             self._run_eval()
         for cb in self.callbacks:
             cb.post_train(self)
 
     def _run_eval(self) -> None:
         result = self.evaluate()
+        if self.stop_reason is not None:
+            return  # stopped inside the evaluation: a partial result is not reported
         for cb in self.callbacks:
             cb.post_eval(self, result)
 

@@ -13,8 +13,15 @@ NPROC_PER_NODE=${DEPTHMIX_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 trap '' USR1
 # On SIGTERM torchrun forwards it and waits this long before killing the ranks (newer torch).
 export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-600}
+# ...and then exits 1 even when every rank saved and exited 0. Each rank that exits 0 leaves
+# a mark here; the marks decide this node's status. SIGTERM/SIGINT reach torchrun and the
+# ranks from SLURM directly: this shell only has to outlive torchrun.
+DEPTHMIX_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/depthmix-exit.XXXXXX")
+export DEPTHMIX_EXIT_DIR
+trap ':' TERM INT
 
-exec "${DEPTHMIX_PYTHON:-python}" -m torch.distributed.run \
+set +e
+"${DEPTHMIX_PYTHON:-python}" -m torch.distributed.run \
     --nnodes="${SLURM_NNODES:-1}" \
     --nproc-per-node="$NPROC_PER_NODE" \
     --rdzv-backend=c10d \
@@ -22,3 +29,13 @@ exec "${DEPTHMIX_PYTHON:-python}" -m torch.distributed.run \
     --rdzv-id="${SLURM_JOB_ID:-depthmix}" \
     --max-restarts=0 \
     -m depthmix.pretrain.train "$@"
+status=$?
+set -e
+marks=$(find "$DEPTHMIX_EXIT_DIR" -name 'rank*' | wc -l)
+if [ "$status" -ne 0 ] && [ "$marks" -eq "$NPROC_PER_NODE" ]; then
+    echo "[depthmix] torchrun exited ${status} after a signal, but all ${marks} ranks of" \
+         "$(hostname) saved and exited 0: exit 0"
+    status=0
+fi
+rm -rf "$DEPTHMIX_EXIT_DIR"
+exit "$status"

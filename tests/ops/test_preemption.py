@@ -1,16 +1,19 @@
 """SIGTERM to one rank of a running 2-process torchrun training (PP=2, gloo): both ranks
 stop after the same step, save a complete checkpoint of it and exit 0; re-running with the
-same run key resumes from that step. Also: ranks agree on one output directory."""
+same run key resumes from that step. Also: ranks agree on one output directory; SIGTERM to
+``launch/local.sh`` during evaluation stops within one eval batch and exits 0."""
 
 import os
 import re
 import signal
+import time
 
 import pytest
 
 from depthmix.pretrain.checkpoint import latest_checkpoint, read_meta, step_dir
 
-from cli_runs import TINY, base_env, rank_processes, torchrun
+from cli_runs import TINY, Proc, base_env, rank_processes, torchrun
+from ops_harness import PYTHON, REPO
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -73,3 +76,34 @@ def test_rerun_resumes_from_the_preemption_checkpoint(preempted):
     # .hydra is written by rank 0 only (rank 1 runs with hydra.output_subdir=null)
     assert sorted(os.listdir(os.path.join(run_dir, ".hydra"))) == \
         ["config.yaml", "hydra.yaml", "overrides.yaml"]
+
+
+LOCAL_SH = os.path.join(REPO, "launch", "local.sh")
+
+
+def test_launcher_sigterm_during_eval_saves_within_one_eval_batch(tmp_path):
+    """launch/local.sh with 2 ranks (PP=2), SIGTERM to the script while both ranks are in a
+    300-batch evaluation: torchrun forwards it, the ranks agree to stop after the same eval
+    batch, save the step the evaluation belongs to, and the script exits 0 (torchrun alone
+    exits 1 after any signal it handled)."""
+    tmp, cache = str(tmp_path), str(tmp_path / "cache")
+    env = base_env(tmp, cache, NPROC_PER_NODE=2, DEPTHMIX_PYTHON=PYTHON,
+                   DEPTHMIX_RUN_KEY="local/eval-sigterm")
+    args = [a for a in TINY if not a.startswith("train.eval_interval")]
+    args += ["parallel=pp2", "train.eval_interval=3", "train.eval_iters=300"]
+    job = Proc(["bash", LOCAL_SH, *args], cwd=tmp, env=env, timeout=300)
+    try:
+        job.wait_for(lambda p: 3 in p.steps(), "step 3 (the evaluation starts after it)")
+        time.sleep(1.0)
+        job.p.send_signal(signal.SIGTERM)
+        code = job.finish()
+    finally:
+        job.kill()
+    assert code == 0, job.text[-3000:]
+    m = re.search(r"preemption \(SIGTERM\) at step 3 \(in evaluation, after eval batch "
+                  r"(\d+)/300\)", job.text)
+    assert m, job.text[-3000:]
+    assert int(m.group(1)) < 300 and job.steps()[-1] == 3
+    assert "all 2 ranks saved and exited 0: exit 0" in job.text
+    root = os.path.join(tmp, "outputs", "local", "eval-sigterm", "tiny_vanilla", "checkpoints")
+    assert latest_checkpoint(root) == step_dir(root, 3)

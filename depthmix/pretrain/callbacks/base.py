@@ -13,6 +13,10 @@ class Callback:
     def post_step(self, trainer, result) -> None:
         pass
 
+    def post_eval_batch(self, trainer, index: int) -> None:
+        """After eval batch ``index`` (0-based) on every rank; may call ``request_stop``
+        (collectively), which ends the evaluation after this batch."""
+
     def post_eval(self, trainer, result) -> None:
         pass
 

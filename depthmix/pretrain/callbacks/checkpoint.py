@@ -8,6 +8,7 @@ from typing import Optional
 
 from depthmix.config.schema import ConfigError
 from depthmix.pretrain import checkpoint as ckpt
+from depthmix.pretrain import save_guard
 from depthmix.pretrain.callbacks.base import Callback
 
 log = logging.getLogger("depthmix")
@@ -34,11 +35,14 @@ class CheckpointCallback(Callback):
 
     def __init__(self):
         self.last_saved_step: Optional[int] = None
+        self.guard: Optional[save_guard.SaveGuard] = None
 
     def setup(self, trainer) -> None:
         t = trainer.run.train
         trainer.save_dir = save_dir(trainer.run)
         trainer.resumed_from = None
+        # lock, writable, room for a checkpoint: refused now rather than at the first save
+        self.guard = save_guard.SaveGuard.start(trainer, trainer.save_dir)
         path, load_optimizer = ckpt.latest_checkpoint(trainer.save_dir), True
         if path is None and t.load_dir:
             path, load_optimizer = ckpt.latest_checkpoint(t.load_dir), t.load_optimizer
@@ -72,3 +76,7 @@ class CheckpointCallback(Callback):
         """At the end of training, and when stopped early (preemption, exit_after_steps)."""
         if trainer.step > 0:
             self.save(trainer)
+
+    def close(self, trainer) -> None:
+        if self.guard is not None:
+            self.guard.close()  # the save_dir lock

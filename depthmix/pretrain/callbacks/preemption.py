@@ -1,8 +1,10 @@
-"""SIGTERM / SIGUSR1 (and submitit's signal) -> finish the step, save, exit cleanly.
+"""SIGTERM / SIGUSR1 / SIGINT (and submitit's signal) -> finish the step, save, exit cleanly.
 
-The signal handler only sets a flag. After every step all ranks all-reduce it (MAX), so
-they stop at the same step even when the signal reached them at different times (or only
-some of them). The trainer then ends the loop, :class:`CheckpointCallback` saves in its
+The signal handler only sets a flag. After every step, and after every evaluation batch,
+all ranks all-reduce it (MAX), so they stop at the same step / eval batch even when the
+signal reached them at different times (or only some of them); the save starts within one
+step or one eval batch of the signal. A second SIGINT (Ctrl-C) aborts at once without
+saving: exit status 130. The trainer then ends the loop, :class:`CheckpointCallback` saves in its
 ``post_train`` (put this callback after it) and ``depthmix-train`` returns normally:
 **exit status 0 with a complete checkpoint of the last finished step**. The SLURM script
 requeues the job when it was the one that forwarded the signal (see
@@ -29,7 +31,9 @@ from depthmix.pretrain.callbacks.base import Callback
 
 log = logging.getLogger("depthmix")
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+ABORT_STATUS = 130  # 128 + SIGINT, what a shell reports for a process killed by Ctrl-C
+EXIT_DIR_ENV = "DEPTHMIX_EXIT_DIR"
 
 
 def _submitit_signal():
@@ -47,11 +51,18 @@ class PreemptionCallback(Callback):
         self._submitit_signal = None
 
     def _handler(self, signum, frame) -> None:
+        # print, not log: logging from a signal handler can deadlock on its lock
+        if signum == signal.SIGINT and self.received is not None:
+            os.write(2, b"[depthmix] second SIGINT: aborting without saving (exit 130)\n")
+            from depthmix.pretrain import save_guard
+
+            save_guard.release_all()  # forked helpers die with us (save_guard)
+            os._exit(ABORT_STATUS)
         if self.received is None:
             self.received = signum
-            # print, not log: logging from a signal handler can deadlock on its lock
+            again = " (Ctrl-C again aborts without saving)" if signum == signal.SIGINT else ""
             os.write(2, f"[depthmix] received {signal.Signals(signum).name}: will save a "
-                        f"checkpoint after this step and exit\n".encode())
+                        f"checkpoint after this step or eval batch and exit{again}\n".encode())
 
     def setup(self, trainer) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -76,15 +87,26 @@ class PreemptionCallback(Callback):
     def post_step(self, trainer, result) -> None:
         signum = self._agreed(trainer)
         if signum:
-            name = signal.Signals(signum).name
-            trainer.request_stop(f"preempted ({name})")
-            if signum == self._submitit_signal:
-                previous = self._previous.get(signum)
-                if callable(previous):
-                    self._deferred = (previous, signum)
-            if trainer.topo.is_logging_rank:
-                print(f"preemption ({name}) at step {trainer.step}: saving a checkpoint and "
-                      "exiting with status 0", flush=True)
+            self._stop(trainer, signum, "")
+
+    def post_eval_batch(self, trainer, index: int) -> None:
+        if trainer.stop_reason is not None:
+            return
+        signum = self._agreed(trainer)  # every rank runs the same eval batches
+        if signum:
+            self._stop(trainer, signum, f" (in evaluation, after eval batch {index + 1}/"
+                                        f"{trainer.run.train.eval_iters})")
+
+    def _stop(self, trainer, signum: int, where: str) -> None:
+        name = signal.Signals(signum).name
+        trainer.request_stop(f"preempted ({name})")
+        if signum == self._submitit_signal:
+            previous = self._previous.get(signum)
+            if callable(previous):
+                self._deferred = (previous, signum)
+        if trainer.topo.is_logging_rank:
+            print(f"preemption ({name}) at step {trainer.step}{where}: saving a checkpoint "
+                  "and exiting with status 0", flush=True)
 
     def post_train(self, trainer) -> None:
         self._restore()
@@ -106,3 +128,20 @@ class PreemptionCallback(Callback):
             except (TypeError, ValueError):
                 pass
         self._previous = {}
+
+
+def mark_clean_exit(reason: str) -> None:
+    """Tell the launch script this rank is about to exit 0 (``$DEPTHMIX_EXIT_DIR/rank<N>``).
+
+    torchrun exits 1 whenever it received a signal itself, even when every rank then saved
+    and exited 0; ``launch/local.sh`` and ``launch/slurm/node.sh`` turn that into 0 when
+    every local rank left this mark."""
+    directory = os.environ.get(EXIT_DIR_ENV)
+    if not directory or not os.path.isdir(directory):
+        return
+    rank = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))
+    try:
+        with open(os.path.join(directory, f"rank{rank}"), "w") as f:
+            f.write(reason + "\n")
+    except OSError as e:
+        log.warning("could not write the exit mark in %s: %s", directory, e)
