@@ -48,6 +48,35 @@ class Recorder(Callback):
                            "consumed": trainer.consumed_samples})
 
 
+class FaultyData(SyntheticData):
+    """:class:`SyntheticData` with faults by training step (1-based, counted from the data
+    position it was built at): the batches of ``nan_steps`` make the loss and gradients NaN
+    (two opposite huge loss-mask entries: inf - inf, while the token count stays finite),
+    those of ``drop_steps`` are left out (a reference run that never saw them). Pass
+    ``functools.partial(FaultyData, nan_steps=...)`` as ``data``."""
+
+    def __init__(self, run, dp_rank=0, dp_size=1, consumed=0, nan_steps=(), drop_steps=()):
+        super().__init__(run, dp_rank, dp_size, consumed)
+        t = run.train
+        per_step = t.global_batch_size // (t.micro_batch_size * dp_size)
+        self.train_iterator = self._faulty(self.train_iterator, per_step,
+                                           consumed // t.global_batch_size, nan_steps, drop_steps)
+
+    @staticmethod
+    def _faulty(batches, per_step, step, nan_steps, drop_steps):
+        while True:
+            step += 1
+            micro = [next(batches) for _ in range(per_step)]
+            if step in drop_steps:
+                continue
+            for batch in micro:
+                if step in nan_steps:
+                    mask = batch["loss_mask"].clone()
+                    mask[0, 0], mask[0, 1] = 3e38, -3e38
+                    batch = {**batch, "loss_mask": mask}
+                yield batch
+
+
 def make_run(steps: int = 6, **parallel):
     run = tiny_run()
     t = run.train
