@@ -123,8 +123,8 @@ class TrainConfig:
     ckpt_integrity: str = "checksum"
     """What each checkpoint's ``depthmix.json`` records of its files, verified before loading
     (a damaged checkpoint is skipped for the previous one): ``checksum`` (size and xxHash3
-    of every file; about 0.3 s per GB, spread over the ranks), ``size`` (sizes only; catches
-    truncation, not overwritten bytes) or ``off``."""
+    of every file: one more read of the files, spread over the ranks), ``size`` (sizes
+    only; catches truncation, not overwritten bytes) or ``off``."""
     ckpt_optim_format: str = "dp_reshardable"
     """Distributed-optimizer state layout in checkpoints: ``dp_reshardable`` (fast, fully
     parallel; reloads at the same TP/PP/VP, any DP) or ``fully_reshardable`` (gathered on

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 from depthmix.config.fingerprint import mismatches, record
 from depthmix.config.schema import ConfigError
@@ -100,15 +101,16 @@ def latest_checkpoint(root: Optional[str]) -> Optional[str]:
     if is_complete(root):
         return root
     tracker = os.path.join(root, TRACKER)
+    text = None
     try:
-        with open(tracker) as f:
-            text = f.read().strip()
+        with open(tracker, "rb") as f:
+            text = f.read().decode("utf-8", "replace").strip()
         path = step_dir(root, int(text))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    except (OSError, ValueError) as e:
         complete = list_checkpoints(root)
         missing = isinstance(e, FileNotFoundError)
         what = "is missing" if missing else (
-            f"is corrupt (holds {text!r}, not a step number)" if isinstance(e, ValueError)
+            f"is corrupt (holds {text!r}, not a step number)" if text is not None
             else f"is unreadable ({e})")
         if not complete:
             if missing:
@@ -512,7 +514,7 @@ def load(trainer, path: str, weights_only: bool = False) -> dict:
             for i, chunk in enumerate(trainer.model):
                 chunk.module.load_state_dict(loaded[_model_key(i, len(trainer.model))],
                                              strict=True)
-        except (KeyError, RuntimeError, CheckpointingException) as e:
+        except (KeyError, RuntimeError, CheckpointingException, CheckpointException) as e:
             raise _weights_do_not_fit(path, meta, trainer.run, e) from e
         if load_optimizer:
             # each param group carries its own peak/floor LR, which the scheduler prefers

@@ -3,9 +3,10 @@ verified before loading, so that a truncated or overwritten checkpoint is detect
 previous one used instead.
 
 ``train.ckpt_integrity``: ``checksum`` (size and xxHash3-128 of each file), ``size``
-(sizes only), ``off``. Hashing runs at about 3 GB/s per process on data in the page cache;
-the files are spread over all ranks (largest first, to the least loaded rank), so a save
-or a resume reads each file once more, in parallel.
+(sizes only), ``off``. xxHash3 runs at several GB/s per process on data in the page cache
+(110 MiB in 0.013-0.05 s on one CPU core); the files are spread over all ranks (largest
+first, to the least loaded rank), so a save or a resume reads each file once more, in
+parallel.
 """
 
 from __future__ import annotations

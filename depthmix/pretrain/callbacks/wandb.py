@@ -128,7 +128,7 @@ class WandbLogger(Callback):
             "train/lr": result.lr,
             "train/loss_scale": result.loss_scale,
             "train/skipped": int(result.skipped),
-            "train/nonfinite_steps": result.nonfinite_steps,
+            "train/nonfinite_steps": getattr(result, "nonfinite_steps", 0),
             "train/consumed_samples": trainer.consumed_samples,
             "train/tokens": trainer.consumed_samples * trainer.run.model.seq_length,
             **perf.as_dict(),
