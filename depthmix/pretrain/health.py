@@ -47,6 +47,13 @@ class TrainingDiverged(RuntimeError):
     ``train.max_nonfinite_steps`` bad steps in a row)."""
 
 
+def _warn(trainer, *args) -> None:
+    """Every rank takes the same decisions; one of them says so."""
+    topo = getattr(trainer, "topo", None)
+    if topo is None or topo.is_logging_rank:
+        log.warning(*args)
+
+
 def _finite(x: Optional[float]) -> bool:
     return x is None or math.isfinite(x)
 
@@ -108,9 +115,9 @@ class HealthGuard:
         self.spikes += spike
         result.nonfinite_steps = self.total
         if spike and result.rejected is None:
-            log.warning("step %d: loss spike %.4f (z-score %.1f > train.spike_zscore=%g over "
-                        "the last %d steps)", trainer.step, result.loss,
-                        self.zscore(result.loss), t.spike_zscore, len(self.window))
+            _warn(trainer, "step %d: loss spike %.4f (z-score %.1f > train.spike_zscore=%g "
+                  "over the last %d steps)", trainer.step, result.loss,
+                  self.zscore(result.loss), t.spike_zscore, len(self.window))
         if result.rejected is None:
             self.window.append(result.loss)
             if self._last_bad_step is None or trainer.step > self._last_bad_step:
@@ -125,8 +132,8 @@ class HealthGuard:
             else f"fp16 overflow at the minimum loss scale {result.scale_used:g}")
         policy, option = ((t.on_nonfinite, "on_nonfinite") if nonfinite
                           else (t.on_spike, "on_spike"))
-        log.warning("step %d: %s (loss %s, grad norm %s): update not applied, %d in a row",
-                    trainer.step, reason, result.loss, result.grad_norm, self.in_a_row)
+        _warn(trainer, "step %d: %s (loss %s, grad norm %s): update not applied, %d in a row",
+              trainer.step, reason, result.loss, result.grad_norm, self.in_a_row)
         if policy == "stop":
             self._pending = ("stop", f"step {trainer.step}: {reason} (train.{option}=stop)")
         elif self.in_a_row >= t.max_nonfinite_steps:
@@ -148,8 +155,8 @@ class HealthGuard:
 
         path, self._unconfirmed = self._unconfirmed, None
         if failed:
-            log.warning("step %d, the first after checkpoint %s, was non-finite: that "
-                        "checkpoint is marked unhealthy", trainer.step, path)
+            _warn(trainer, "step %d, the first after checkpoint %s, was non-finite: that "
+                  "checkpoint is marked unhealthy", trainer.step, path)
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         try:
@@ -182,8 +189,8 @@ class HealthGuard:
             if root else []
         path = ckpt.first_intact(candidates, self.t.ckpt_integrity) if candidates else None
         if path is None:
-            log.warning("step %d: %s, but no healthy checkpoint in %s to roll back to: the "
-                        "step is skipped instead", trainer.step, reason, root)
+            _warn(trainer, "step %d: %s, but no healthy checkpoint in %s to roll back to: "
+                  "the step is skipped instead", trainer.step, reason, root)
             return False
         failed_at, position = trainer.step, trainer.consumed_samples
         self._unconfirmed = None

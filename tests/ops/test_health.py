@@ -19,7 +19,7 @@ from depthmix.pretrain.health import HealthGuard, TrainingDiverged
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
 
-from ops_harness import FaultyData, Recorder, make_run, run_cli
+from ops_harness import FaultyData, Recorder, make_run, run_cli, spawn, train
 
 
 @pytest.fixture
@@ -242,6 +242,48 @@ def test_diverging_run_keeps_a_healthy_checkpoint_to_resume_from(make_trainer, t
     assert t.resumed_from == ckpt.step_dir(str(root), 3)
     t.train()
     assert [s["loss"] for s in resumed.steps] == [s["loss"] for s in straight.steps[3:]]
+
+
+def _two_ranks() -> dict:
+    """DP=2 with only DP rank 1's half of step 3 NaN, and PP=2 (the loss lives on the last
+    stage): every rank must take the same decision at the same step."""
+    import hashlib
+
+    from depthmix.pretrain.parallelize import unwrap
+
+    out = {}
+    for name, parallel in (("dp2", {}), ("pp2", {"pp": 2})):
+        seen = {"steps": [], "weights": {}}
+
+        class Watch(Recorder):
+            def post_step(self, trainer, result):
+                flat = torch.cat([p.detach().flatten() for chunk in trainer.model
+                                  for p in unwrap(chunk).parameters()])
+                seen["weights"][trainer.step] = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+                seen["steps"].append((result.loss, result.nonfinite, result.skipped))
+
+        data = functools.partial(FaultyData, nan_steps=(3,),
+                                 nan_dp_ranks=None if parallel else (1,))
+        train(make_run(steps=4, **parallel), [Watch()], data=data)
+        out[name] = seen
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_ranks_agree_without_an_extra_collective():
+    per_rank = spawn(_two_ranks, 2, timeout=240)
+    for name in ("dp2", "pp2"):
+        a, b = (r[name] for r in per_rank)
+        for x, y in zip(a["steps"], b["steps"]):
+            assert x[1:] == y[1:] and (x[0] == y[0] or math.isnan(x[0]) and math.isnan(y[0]))
+        assert [s[1:] for s in a["steps"]] == [(False, False)] * 2 + [(True, True),
+                                                                       (False, False)], name
+        assert math.isnan(a["steps"][2][0]), name
+        for rank in (a, b):  # step 3 left every rank's weights alone
+            w = rank["weights"]
+            assert w[3] == w[2] and w[4] != w[3], name
+    assert per_rank[0]["dp2"]["weights"] == per_rank[1]["dp2"]["weights"]  # replicas agree
 
 
 @pytest.mark.slow
