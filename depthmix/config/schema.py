@@ -118,8 +118,16 @@ class TrainConfig:
     default: ``save_dir`` when it holds a checkpoint, else start fresh."""
     keep_last: int = 2
     """Keep the newest N checkpoints (0 = keep all)."""
-    load_optimizer: bool = True
-    """False: load weights only and start a new run (fresh optimizer, schedule, data, step)."""
+    load_weights_only: bool = False
+    """With ``train.load_dir``: load its weights only and start a new run (fresh optimizer,
+    schedule, data position and step). This is the way to fine-tune from a checkpoint of
+    another configuration (mixer, precision, ...) whose parameters have the same shapes;
+    without it such a resume is refused at start-up, naming each differing option."""
+    ckpt_integrity: str = "checksum"
+    """What each checkpoint's ``depthmix.json`` records of its files, verified before loading
+    (a damaged checkpoint is skipped for the previous one): ``checksum`` (size and xxHash3
+    of every file: one more read of the files, spread over the ranks), ``size`` (sizes
+    only; catches truncation, not overwritten bytes) or ``off``."""
     ckpt_optim_format: str = "dp_reshardable"
     """Distributed-optimizer state layout in checkpoints: ``dp_reshardable`` (fast, fully
     parallel; reloads at the same TP/PP/VP, any DP) or ``fully_reshardable`` (gathered on
@@ -134,6 +142,22 @@ class TrainConfig:
     dry_run: bool = False
     """Print the resolved config, parallel layout and per-rank memory estimate, then exit
     (no model, no process group). World size: ``parallel.world_size`` or ``$WORLD_SIZE``."""
+    on_nonfinite: str = "skip"
+    """A step whose loss or gradient norm is NaN/inf (fp16: an overflow at
+    ``min_loss_scale``): ``skip`` (its update is not applied; weights and optimizer state stay
+    as they were), ``stop`` (exit status 3 at once) or ``rollback`` (reload the newest healthy
+    checkpoint of ``save_dir`` and continue with the data after the bad window)."""
+    max_nonfinite_steps: int = 10
+    """Stop with exit status 3 after this many non-finite (or vetoed spike) steps in a row
+    (rollbacks count until training gets past the step that failed)."""
+    spike_zscore: Optional[float] = 6.0
+    """A loss more than this many standard deviations above the mean of the last
+    ``spike_window`` applied steps is a spike (None = no spike detection)."""
+    spike_window: int = 100
+    """Steps in the loss-spike window; detection starts once the window is full."""
+    on_spike: str = "log"
+    """``log`` (a warning; the update is applied), ``skip`` or ``rollback`` (as for
+    ``on_nonfinite``; counted towards ``max_nonfinite_steps``)."""
     peak_tflops: Optional[float] = None
     """Per-device peak dense TFLOP/s for MFU; None = look the device up in a table
     (``depthmix.pretrain.accounting.PEAK_TFLOPS``); no MFU when unknown (e.g. CPU)."""

@@ -7,6 +7,9 @@ from typing import Optional
 from depthmix.config.schema import ConfigError, RunConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+NONFINITE_POLICIES = ("skip", "stop", "rollback")
+SPIKE_POLICIES = ("log", "skip", "rollback")
+CKPT_INTEGRITY = ("checksum", "size", "off")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -29,6 +32,21 @@ def data_parallel_size(run: RunConfig, world_size: int) -> int:
         f"{p.tp} * {p.pp} * {p.dp}",
     )
     return dp
+
+
+def _validate_health(t) -> None:
+    """Divergence policies and checkpoint integrity (``depthmix.pretrain.health``)."""
+    _require(t.on_nonfinite in NONFINITE_POLICIES,
+             f"train.on_nonfinite={t.on_nonfinite!r} must be one of {NONFINITE_POLICIES}")
+    _require(t.on_spike in SPIKE_POLICIES,
+             f"train.on_spike={t.on_spike!r} must be one of {SPIKE_POLICIES}")
+    _require(t.max_nonfinite_steps >= 1,
+             f"train.max_nonfinite_steps={t.max_nonfinite_steps} must be >= 1")
+    _require(t.spike_zscore is None or t.spike_zscore > 0,
+             f"train.spike_zscore={t.spike_zscore} must be > 0 (or null: no spike detection)")
+    _require(t.spike_window >= 2, f"train.spike_window={t.spike_window} must be >= 2")
+    _require(t.ckpt_integrity in CKPT_INTEGRITY,
+             f"train.ckpt_integrity={t.ckpt_integrity!r} must be one of {CKPT_INTEGRITY}")
 
 
 def validate(run: RunConfig, world_size: Optional[int] = None) -> None:
@@ -88,6 +106,7 @@ def validate(run: RunConfig, world_size: Optional[int] = None) -> None:
              f"train.warmup_fraction={t.warmup_fraction} must be in [0, 1)")
     _require(t.warmup_steps is None or 0 <= t.warmup_steps < t.steps,
              f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
+    _validate_health(t)
     if world_size is not None:
         dp = data_parallel_size(run, world_size)
         _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,

@@ -68,7 +68,7 @@ class Evaluator:
         self.topo = init_distributed(run)
         self.config = to_transformer_config(run)
         self.model = build_model(run, self.config, self.topo)
-        self.meta = ckpt.load(self, checkpoint, load_optimizer=False)
+        self.meta = ckpt.load(self, checkpoint, weights_only=True)
 
     def evaluate(self, dataset, batch_size: int, num_microbatches: int) -> DatasetResult:
         """Loss over all windows of ``dataset`` (a :class:`depthmix.evaluate.job.Dataset`);

@@ -4,7 +4,8 @@ Layout of ``train.save_dir``::
 
     latest_checkpointed_iteration.txt   the step of the newest complete checkpoint (tracker)
     iter_0000500/                       one Megatron distributed checkpoint (torch_dist)
-        depthmix.json                   written last: step, layout, format, model record;
+        depthmix.json                   written last: step, layout, format, model record,
+                                        health mark, size/checksum of every other file;
                                         marks it complete
         tokenizer.json                  the run's tokenizer (when it has a file)
         common.pt, metadata.json, *.distcp, ...
@@ -16,7 +17,21 @@ replaces the tracker atomically (write ``tracker.tmp``, fsync, ``os.replace``). 
 any point leaves the previous tracker pointing at a complete checkpoint; leftovers
 (``.tmp_*``, ``.trash_*``) are ignored and removed by the next save. Old checkpoints beyond
 ``train.keep_last`` are renamed to ``.trash_*`` before deletion, so a half-deleted
-directory never looks like a checkpoint.
+directory never looks like a checkpoint; the newest *healthy* checkpoint (saved after a
+finite step, see ``health.py``) is never pruned.
+
+A checkpoint's health mark (``health`` in ``depthmix.json``) is written at save (the last
+step's loss and gradient norm were finite) and settled by the next step: ``confirmed``
+when it is finite, demoted to unhealthy when it is not (its weights gave NaN/inf).
+Retention keeps the newest healthy and the newest confirmed checkpoint.
+
+**Which checkpoint a resume uses** (:func:`resume_candidates`, :func:`first_intact`): the
+tracker's step (a missing or unreadable tracker: the newest complete ``iter_*``, with a
+warning), preferring the newest healthy checkpoint at or below it; one whose files do not
+match their recorded sizes/checksums is skipped for the previous one, with a warning. The
+checkpoint's model record must match the run (:func:`check_record`), else the start is
+refused before the model is built (:func:`preflight_checkpoint`), unless
+``train.load_weights_only=true``.
 
 **Contents.** Model chunks (``model`` or ``model0``, ``model1``, ... with virtual stages;
 tensor keys use global layer indices, so any TP/PP layout can load them), the optimizer
@@ -43,11 +58,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
-from depthmix.config.fingerprint import record
+from depthmix.config.fingerprint import mismatches, record
 from depthmix.config.schema import ConfigError
 from depthmix.pretrain import save_guard
+from depthmix.pretrain import integrity
 
 log = logging.getLogger("depthmix")
 
@@ -75,22 +93,33 @@ def latest_checkpoint(root: Optional[str]) -> Optional[str]:
     """The complete checkpoint ``root``'s tracker names, or None.
 
     ``root`` may also be one checkpoint directory (``.../iter_0000500``) itself. If the
-    tracker names a directory that is gone (a crash while replacing a re-saved step), the
-    newest complete checkpoint is used, with a warning.
+    tracker is missing or unreadable, or names a directory that is gone (a crash while
+    replacing a re-saved step), the newest complete checkpoint is used, with a warning:
+    never a fresh start while complete checkpoints exist.
     """
     if not root or not os.path.isdir(root):
         return None
     if is_complete(root):
         return root
     tracker = os.path.join(root, TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    with open(tracker) as f:
-        text = f.read().strip()
+    text = None
     try:
+        with open(tracker, "rb") as f:
+            text = f.read().decode("utf-8", "replace").strip()
         path = step_dir(root, int(text))
-    except ValueError:
-        raise RuntimeError(f"{tracker} is corrupt (holds {text!r}, not a step number)")
+    except (OSError, ValueError) as e:
+        complete = list_checkpoints(root)
+        missing = isinstance(e, FileNotFoundError)
+        what = "is missing" if missing else (
+            f"is corrupt (holds {text!r}, not a step number)" if text is not None
+            else f"is unreadable ({e})")
+        if not complete:
+            if missing:
+                return None
+            raise RuntimeError(f"{tracker} {what}, and there is no complete checkpoint")
+        log.warning("%s %s; using the newest complete checkpoint, %s", tracker, what,
+                    complete[-1][1])
+        return complete[-1][1]
     if not is_complete(path):
         complete = list_checkpoints(root)
         if not complete:
@@ -111,6 +140,126 @@ def list_checkpoints(root: str) -> list:
             if name.startswith("iter_") and name[5:].isdigit() and is_complete(path):
                 out.append((int(name[5:]), path))
     return sorted(out)
+
+
+def _meta_or_none(path: str) -> Optional[dict]:
+    try:
+        return read_meta(path)
+    except (OSError, ValueError) as e:
+        log.warning("%s/%s is unreadable (%s): checkpoint ignored", path, META, e)
+        return None
+
+
+def is_healthy(path: str) -> bool:
+    """Saved after a finite step (checkpoints without a health mark count as healthy)."""
+    meta = _meta_or_none(path)
+    return meta is not None and meta.get("health", {}).get("healthy", True)
+
+
+def newest_healthy(root: str, confirmed: bool = False) -> Optional[str]:
+    """The newest healthy checkpoint; ``confirmed``: also followed by a finite step (its
+    weights gave a finite loss and gradient)."""
+    for _, path in reversed(list_checkpoints(root)):
+        if is_healthy(path) and (not confirmed
+                                 or read_meta(path).get("health", {}).get("confirmed", True)):
+            return path
+    return None
+
+
+def set_health(path: str, **fields) -> None:
+    """Rank 0: update the health mark of a published checkpoint (atomic rewrite of its
+    ``depthmix.json``): confirmed by the next step, or demoted when that step failed."""
+    meta = read_meta(path)
+    meta.setdefault("health", {}).update(fields)
+    _write_atomic(os.path.join(path, META), json.dumps(meta, indent=2))
+
+
+def resume_candidates(root: Optional[str], warn: bool = True) -> list:
+    """The checkpoints a resume from ``root`` may use, in the order to try them: at or
+    below the tracker's step (:func:`latest_checkpoint`), newest first, healthy ones before
+    unhealthy ones. ``root`` may be one checkpoint directory: then only it."""
+    latest = latest_checkpoint(root)
+    if latest is None:
+        return []
+    if os.path.normpath(latest) == os.path.normpath(root):
+        return [latest]
+    limit = int(os.path.basename(latest)[5:])
+    paths = [p for s, p in reversed(list_checkpoints(root))
+             if s <= limit and _meta_or_none(p) is not None]
+    healthy = [p for p in paths if is_healthy(p)]
+    ordered = healthy + [p for p in paths if p not in healthy]
+    if warn and ordered and ordered[0] != latest:
+        log.warning("the newest checkpoint %s was saved after a non-finite step (%s); "
+                    "resuming from the newest healthy one, %s", latest,
+                    (_meta_or_none(latest) or {}).get("health"), ordered[0])
+    elif warn and ordered and not healthy:
+        log.warning("no healthy checkpoint in %s: resuming from %s, saved after a "
+                    "non-finite step", root, ordered[0])
+    return ordered
+
+
+def first_intact(candidates: list, mode: str) -> Optional[str]:
+    """Collective: the first of ``candidates`` whose files match the sizes/checksums
+    recorded at save (``train.ckpt_integrity``); damaged ones are skipped with a warning."""
+    for i, path in enumerate(candidates):
+        problems = integrity.verify(path, read_meta(path).get("files"), mode)
+        if not problems:
+            return path
+        log.warning("checkpoint %s is damaged (%s)%s", path, "; ".join(problems[:4]),
+                    f"; trying {candidates[i + 1]}" if i + 1 < len(candidates) else "")
+    return None
+
+
+def default_save_dir(run) -> str:
+    return run.train.save_dir or os.path.join(run.output_dir, "checkpoints")
+
+
+def check_record(path: str, run, weights_only: bool, source: str = "train.load_dir") -> None:
+    """Refuse (ConfigError naming each differing option) to resume ``path`` into a run it
+    was not saved by; with ``weights_only`` the differences are only logged (precision may
+    change). ``source``: the option that led to ``path``, for the hint."""
+    rec = (_meta_or_none(path) or {}).get("record")
+    if rec is None:
+        log.warning("checkpoint %s records no model configuration: not checked", path)
+        return
+    diffs = mismatches(rec, run, ignore=("train.precision",) if weights_only else ())
+    if not diffs:
+        return
+    if weights_only:
+        log.warning("loading the weights of %s into a different configuration: %s", path,
+                    "; ".join(diffs))
+        return
+    if source == "train.load_dir":
+        hint = (f"to fine-tune from its weights (fresh optimizer, schedule and step) add "
+                "train.load_weights_only=true")
+    else:
+        hint = (f"{source} holds another run's checkpoints: give this run its own "
+                f"train.save_dir (or output directory); to fine-tune from them add "
+                f"train.load_dir={path} train.load_weights_only=true")
+    raise ConfigError(f"cannot resume checkpoint {path}: it differs from this run in "
+                      f"{'; '.join(diffs)}. {hint}")
+
+
+def preflight_checkpoint(run) -> Optional[str]:
+    """What this run would resume from, checked before any process group or model exists:
+    the checkpoint path (None: a fresh start). Raises :class:`ConfigError` when
+    ``train.load_dir`` holds no checkpoint or when the checkpoint's model record differs
+    from ``run`` (each option named; see :func:`check_record`). Files are not verified
+    here (that needs all ranks); a damaged checkpoint is replaced at load time."""
+    t = run.train
+    root = default_save_dir(run)
+    candidates = resume_candidates(root, warn=False)
+    weights_only, source = False, f"train.save_dir={root}"
+    if not candidates and t.load_dir:
+        candidates = resume_candidates(t.load_dir, warn=False)
+        weights_only, source = t.load_weights_only, "train.load_dir"
+        if not candidates:
+            raise ConfigError(f"train.load_dir={t.load_dir} holds no checkpoint "
+                              f"(no {TRACKER}, no complete iter_* directory and no {META})")
+    if not candidates:
+        return None
+    check_record(candidates[0], run, weights_only, source)
+    return candidates[0]
 
 
 def _fsync_dir(path: str) -> None:
@@ -276,9 +425,13 @@ def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = No
     state = sharded_state_dict(trainer, is_loading=False, optim_format=t.ckpt_optim_format)
     dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(t.ckpt_fully_parallel))
     dist.barrier()
+    if rank == 0:
+        _copy_tokenizer(trainer, tmp)
+    files = integrity.manifest(tmp, t.ckpt_integrity, exclude=(META,))  # collective
 
     if rank == 0:
         layout = Layout.of(trainer)
+        health = getattr(trainer, "health", None)
         meta = {
             "format_version": FORMAT_VERSION,
             "step": step,
@@ -288,9 +441,11 @@ def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = No
             "world_size": dist.get_world_size(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "record": record(trainer.run),
+            "health": health.mark(trainer) if health is not None else {"healthy": True},
+            "integrity": t.ckpt_integrity,
+            "files": files,
             **(extra_meta or {}),
         }
-        _copy_tokenizer(trainer, tmp)
         _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=2))
         _fsync_dir(tmp)
         if os.path.exists(final):  # the same step saved before (e.g. a re-run): replace it
@@ -298,9 +453,13 @@ def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = No
         os.rename(tmp, final)
         _fsync_dir(root)
         _write_atomic(os.path.join(root, TRACKER), str(step))
+        # never pruned: the run can always go back to a good state
+        keep = (newest_healthy(root), newest_healthy(root, confirmed=True))
         for old_step, path in list_checkpoints(root)[:-keep_last or None] if keep_last > 0 else []:
-            if old_step != step:
+            if old_step != step and path not in keep:
                 _remove(path)
+    if getattr(trainer, "health", None) is not None:
+        trainer.health.saved(trainer, final)
     dist.barrier()
     log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
     return final
@@ -320,15 +479,16 @@ def _copy_tokenizer(trainer, directory: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def load(trainer, path: str, load_optimizer: bool = True) -> dict:
+def load(trainer, path: str, weights_only: bool = False) -> dict:
     """Collective: restore ``trainer`` from the checkpoint directory ``path``.
 
-    Weights always; optimizer, scheduler, step and data position when ``load_optimizer``;
+    Weights always; optimizer, scheduler, step and data position unless ``weights_only``;
     RNG states only when the (TP, PP, VP, DP) layout is the one the checkpoint was saved
     with. Returns the checkpoint's metadata.
     """
     t = trainer.run.train
     meta = read_meta(path)
+    load_optimizer = not weights_only
     saved = Layout(**meta["layout"])
     now = Layout.of(trainer)
     same_layout = saved == now
@@ -337,27 +497,37 @@ def load(trainer, path: str, load_optimizer: bool = True) -> dict:
         raise ConfigError(
             f"checkpoint {path} was saved with parallel.distributed_optimizer="
             f"{saved.distributed_optimizer}; resuming with {now.distributed_optimizer} needs "
-            "train.load_optimizer=false (weights only)")
+            "train.load_weights_only=true")
     if (load_optimizer and now.distributed_optimizer and optim_format == "dp_reshardable"
             and saved.model_parallel() != now.model_parallel()):
         raise ConfigError(
             f"checkpoint {path} holds distributed-optimizer state in the dp_reshardable format, "
             f"which cannot move from tp/pp/vp={saved.model_parallel()} to "
             f"{now.model_parallel()}: save it with train.ckpt_optim_format=fully_reshardable, "
-            "or load weights only with train.load_optimizer=false")
+            "or load weights only with train.load_weights_only=true")
 
     start = time.perf_counter()
     state = sharded_state_dict(trainer, is_loading=True, optimizer=load_optimizer,
                                rng=same_layout and load_optimizer, optim_format=optim_format)
     with torch.no_grad():
         strategy = _load_strategy(path, t.ckpt_fully_parallel)
-        loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
-        for i, chunk in enumerate(trainer.model):
-            chunk.module.load_state_dict(loaded[_model_key(i, len(trainer.model))], strict=True)
+        try:
+            loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
+            for i, chunk in enumerate(trainer.model):
+                chunk.module.load_state_dict(loaded[_model_key(i, len(trainer.model))],
+                                             strict=True)
+        except (KeyError, RuntimeError, CheckpointingException, CheckpointException) as e:
+            raise _weights_do_not_fit(path, meta, trainer.run, e) from e
         if load_optimizer:
+            # each param group carries its own peak/floor LR, which the scheduler prefers
+            # to its own: keep the config's (else a resume with a new train.lr ignores it)
+            lrs = [(g.get("max_lr"), g.get("min_lr")) for g in trainer.optimizer.param_groups]
             with _keep_adam_steps(trainer.optimizer, optim_format):
                 trainer.optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(trainer.optimizer)
+            for group, (max_lr, min_lr) in zip(trainer.optimizer.param_groups, lrs):
+                if max_lr is not None:
+                    group["max_lr"], group["min_lr"] = max_lr, min_lr
         elif trainer.optimizer is not None:  # None: evaluation builds no optimizer
             trainer.optimizer.reload_model_params()
     if load_optimizer:
@@ -373,6 +543,15 @@ def load(trainer, path: str, load_optimizer: bool = True) -> dict:
     log.info("loaded checkpoint %s (step %d%s) in %.2f s", path, meta["step"],
              "" if load_optimizer else ", weights only", time.perf_counter() - start)
     return meta
+
+
+def _weights_do_not_fit(path: str, meta: dict, run, error: BaseException) -> ConfigError:
+    diffs = mismatches(meta["record"], run) if "record" in meta else []
+    first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    return ConfigError(
+        f"the weights of {path} do not fit this model ("
+        + ("differing options: " + "; ".join(diffs) if diffs else
+           "no recorded model option differs") + f"): {first}")
 
 
 @contextlib.contextmanager
@@ -430,6 +609,7 @@ def _load_scheduler(scheduler, saved: dict) -> None:
         log.warning("LR schedule differs from the checkpoint's; using the config's: %s",
                     ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()))
     scheduler.override_opt_param_scheduler = True
+    scheduler.num_steps = 0  # load_state_dict *adds* the saved position (a rollback reloads)
     try:
         scheduler.load_state_dict(saved)
     finally:

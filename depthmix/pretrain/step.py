@@ -42,6 +42,14 @@ class StepResult:
     lr: Optional[float] = None
     loss_scale: Optional[float] = None
     skipped: bool = False
+    rejected: Optional[str] = None
+    """Why the update was not applied: :data:`OVERFLOW` or the reason ``check`` gave."""
+    scale_used: Optional[float] = None
+    """fp16 overflow: the loss scale the step ran with (before the scaler backed off)."""
+    nonfinite: bool = False
+    """Set by :class:`depthmix.pretrain.health.HealthGuard`: counted as a non-finite step."""
+    nonfinite_steps: int = 0
+    """Non-finite steps so far in this process (for the log line and W&B)."""
 
 
 def _reduce_loss(losses_reduced: List[dict], device) -> tuple:
@@ -95,8 +103,39 @@ def run_schedule(model, microbatches: List[Batch], seq_length: int, forward_only
     return losses
 
 
+OVERFLOW = "fp16 overflow"
+
+
+def optimizer_step(optimizer, check=None) -> tuple:
+    """Megatron's ``optimizer.step()`` (as ``ChainedOptimizer.step`` in megatron-core 0.16.1
+    does it), split where the update can still be vetoed: ``prepare_grads`` (fp16: unscale,
+    found-inf check, loss-scaler update), the gradient norm (all-reduced over the ranks that
+    hold gradients), ``check(grad_norm)``, clipping, ``step_with_ready_grads``. Megatron
+    skips only fp16 overflows; in fp32/bf16 a NaN gradient would reach Adam's moments.
+
+    Returns ``(applied, grad_norm, rejected)``; when not applied, weights and optimizer
+    state are untouched (fp16: the loss scaler backed off, as it should)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():
+        return False, None, OVERFLOW
+    grad_norm = float(optimizer.get_grad_norm())
+    rejected = check(grad_norm) if check is not None else None
+    if rejected:
+        return False, grad_norm, rejected
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(
+                params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads(), grad_norm, None
+
+
 def train_step(model, optimizer, scheduler, microbatches: List[Batch], seq_length: int,
-               force_all_reduce: bool = False, after_backward=None) -> StepResult:
+               force_all_reduce: bool = False, after_backward=None, check=None) -> StepResult:
+    """``check(loss, grad_norm)``: None to apply the update, else the reason not to. Both
+    values are already reduced over all ranks, so every rank decides alike."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -104,18 +143,22 @@ def train_step(model, optimizer, scheduler, microbatches: List[Batch], seq_lengt
                           force_all_reduce=force_all_reduce)
     if after_backward is not None:
         after_backward(model)
-    ok, grad_norm, _ = optimizer.step()
+    device = next(model[0].parameters()).device
+    loss, tokens = _reduce_loss(losses, device)  # before the update: `check` needs it
+    scale = optimizer.get_loss_scale()  # the scaler replaces (not mutates) it on update
+    ok, grad_norm, rejected = optimizer_step(
+        optimizer, (lambda norm: check(loss, norm)) if check is not None else None)
     if ok:
         scheduler.step(increment=1)
-    device = next(model[0].parameters()).device
-    loss, tokens = _reduce_loss(losses, device)
     return StepResult(
         loss=loss,
         tokens=tokens,
-        grad_norm=float(grad_norm) if grad_norm is not None else None,
+        grad_norm=grad_norm,
         lr=optimizer.param_groups[0]["lr"],
         loss_scale=float(optimizer.get_loss_scale().item()),
         skipped=not ok,
+        rejected=rejected,
+        scale_used=float(scale.item()) if rejected == OVERFLOW else None,
     )
 
 

@@ -7,7 +7,8 @@
 
 Exit status: 0 when training finished *or* was stopped by a preemption signal after
 saving a checkpoint (re-run the same command / requeue to resume); 2 for a configuration
-error; 1 for anything else.
+error; 3 when training diverged (``train.on_nonfinite=stop`` or
+``train.max_nonfinite_steps`` non-finite steps in a row); 1 for anything else.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from depthmix.config.load import resolve
 from depthmix.config.schema import ConfigError
 from depthmix.config.store import register_configs
 from depthmix.pretrain import launch_env
+from depthmix.pretrain.health import EXIT_DIVERGED, TrainingDiverged
 from depthmix.pretrain.trainer import Trainer, default_callbacks
 
 log = logging.getLogger("depthmix")
@@ -48,13 +50,20 @@ def hydra_main(cfg: DictConfig) -> None:
     except ConfigError as e:
         print(f"configuration error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    diverged = None
     try:
         trainer.train()
+    except TrainingDiverged as exc:
+        trainer.on_error(exc)
+        diverged = exc
     except BaseException as exc:
         trainer.on_error(exc)
         raise
     finally:
         trainer.close()
+    if diverged is not None:
+        print(f"[depthmix] {diverged}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_DIVERGED)
     if trainer.stop_reason:
         log.info("stopped at step %d: %s (exit 0; resume by re-running)", trainer.step,
                  trainer.stop_reason)

@@ -15,6 +15,8 @@ from depthmix.config.megatron import to_transformer_config
 from depthmix.config.schema import RunConfig
 from depthmix.config.validate import validate
 from depthmix.pretrain.callbacks import Callback, ConsoleLogger
+from depthmix.pretrain.checkpoint import preflight_checkpoint
+from depthmix.pretrain.health import HealthGuard
 from depthmix.pretrain.optim import build_optimizer
 from depthmix.pretrain.parallelize import build_model, init_distributed
 from depthmix.pretrain.step import StepResult, eval_step, take, train_step
@@ -35,7 +37,9 @@ class Trainer:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         validate(run, world_size)  # before any process group or model exists
         validate_launch(run, world_size)
+        preflight_checkpoint(run)  # a mismatched checkpoint is refused before any model exists
         self.run = run
+        self.health = HealthGuard(run.train)
         self.topo = init_distributed(run)
         self._agree_on_output_dir()
         # Python/NumPy generators as Megatron-LM seeds them (torch's: init_distributed)
@@ -100,10 +104,11 @@ class Trainer:
         batches = take(self.data.train_iterator, self.num_microbatches)
         result = train_step(self.model, self.optimizer, self.scheduler, batches,
                             self.run.model.seq_length, force_all_reduce=after_backward is not None,
-                            after_backward=after_backward)
+                            after_backward=after_backward, check=self.health.check)
         result.seconds = time.perf_counter() - t0
         self.step += 1
         self.consumed_samples += self.run.train.global_batch_size
+        self.health.observe(self, result)
         self.last = result
         return result
 
@@ -137,6 +142,7 @@ class Trainer:
             steps_this_run += 1
             for cb in self.callbacks:
                 cb.post_step(self, result)
+            self.health.act(self)  # stop (TrainingDiverged) or roll back, after logging
             if t.eval_interval and self.step % t.eval_interval == 0 and self.stop_reason is None:
                 self._run_eval()  # not while being preempted: save first
         if (t.eval_interval and self.step % t.eval_interval and self.step >= t.steps

@@ -35,6 +35,12 @@ def test_default_config_is_valid():
         (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel"),
         (["train.precision=fp8"], 1, "train.precision"),
         (["model.n_loops=2", "parallel=pp2"], 2, "model.n_loops"),
+        (["train.on_nonfinite=ignore"], 1, "train.on_nonfinite='ignore'"),
+        (["train.on_spike=stop"], 1, "train.on_spike='stop'"),
+        (["train.max_nonfinite_steps=0"], 1, "train.max_nonfinite_steps=0"),
+        (["train.spike_zscore=-1"], 1, "train.spike_zscore=-1"),
+        (["train.spike_window=1"], 1, "train.spike_window=1"),
+        (["train.ckpt_integrity=md5"], 1, "train.ckpt_integrity='md5'"),
     ],
 )
 def test_bad_config_names_the_option(overrides, world, option):

@@ -48,6 +48,39 @@ class Recorder(Callback):
                            "consumed": trainer.consumed_samples})
 
 
+class FaultyData(SyntheticData):
+    """:class:`SyntheticData` with faults by training step (1-based, counted from the data
+    position it was built at): the batches of ``nan_steps`` make the loss and gradients NaN
+    (two opposite huge loss-mask entries: inf - inf, while the token count stays finite),
+    those of ``drop_steps`` are left out (a reference run that never saw them);
+    ``nan_dp_ranks``: the data-parallel ranks whose share is NaN (default all). Pass
+    ``functools.partial(FaultyData, nan_steps=...)`` as ``data``."""
+
+    def __init__(self, run, dp_rank=0, dp_size=1, consumed=0, nan_steps=(), drop_steps=(),
+                 nan_dp_ranks=None):
+        super().__init__(run, dp_rank, dp_size, consumed)
+        if nan_dp_ranks is not None and dp_rank not in nan_dp_ranks:
+            nan_steps = ()
+        t = run.train
+        per_step = t.global_batch_size // (t.micro_batch_size * dp_size)
+        self.train_iterator = self._faulty(self.train_iterator, per_step,
+                                           consumed // t.global_batch_size, nan_steps, drop_steps)
+
+    @staticmethod
+    def _faulty(batches, per_step, step, nan_steps, drop_steps):
+        while True:
+            step += 1
+            micro = [next(batches) for _ in range(per_step)]
+            if step in drop_steps:
+                continue
+            for batch in micro:
+                if step in nan_steps:
+                    mask = batch["loss_mask"].clone()
+                    mask[0, 0], mask[0, 1] = 3e38, -3e38
+                    batch = {**batch, "loss_mask": mask}
+                yield batch
+
+
 def make_run(steps: int = 6, **parallel):
     run = tiny_run()
     t = run.train
@@ -60,7 +93,7 @@ def make_run(steps: int = 6, **parallel):
     return run
 
 
-def train(run, callbacks=()) -> tuple:
+def train(run, callbacks=(), data=SyntheticData) -> tuple:
     """Build a Trainer (synthetic data at the restored position), train, tear down
     Megatron's parallel state. Returns (recorded steps, trainer facts)."""
     from megatron.core import parallel_state
@@ -68,8 +101,7 @@ def train(run, callbacks=()) -> tuple:
     from depthmix.pretrain.trainer import Trainer
 
     recorder = Recorder()
-    trainer = Trainer(copy.deepcopy(run), data=SyntheticData,
-                      callbacks=[recorder, *callbacks])
+    trainer = Trainer(copy.deepcopy(run), data=data, callbacks=[recorder, *callbacks])
     facts = {"start_step": trainer.step, "resumed_from": getattr(trainer, "resumed_from", None),
              "params": sum(p.numel() for chunk in trainer.model for p in chunk.parameters()),
              "pp_rank": trainer.topo.pp_rank}

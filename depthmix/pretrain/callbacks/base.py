@@ -20,6 +20,9 @@ class Callback:
     def post_eval(self, trainer, result) -> None:
         pass
 
+    def post_restore(self, trainer) -> None:
+        """After a rollback replaced the trainer's state by a checkpoint's."""
+
     def post_train(self, trainer) -> None:
         pass
 

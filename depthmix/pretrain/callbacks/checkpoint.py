@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 from depthmix.config.schema import ConfigError
@@ -15,7 +14,7 @@ log = logging.getLogger("depthmix")
 
 
 def save_dir(run) -> str:
-    return run.train.save_dir or os.path.join(run.output_dir, "checkpoints")
+    return ckpt.default_save_dir(run)
 
 
 class CheckpointCallback(Callback):
@@ -23,8 +22,10 @@ class CheckpointCallback(Callback):
 
     Resume rule: the save directory's latest checkpoint if there is one (this run's own
     progress: a requeued or re-run job continues, loading everything), else
-    ``train.load_dir`` if given (it must hold a checkpoint; ``train.load_optimizer=false``
-    takes only its weights), else a fresh start.
+    ``train.load_dir`` if given (it must hold a checkpoint; ``train.load_weights_only=true``
+    takes only its weights), else a fresh start. Within a directory: the newest healthy
+    checkpoint whose files are intact (``checkpoint.resume_candidates``, ``first_intact``);
+    its model record must match the run (``checkpoint.check_record``).
 
     Put it **last** in the callback list (before :class:`PreemptionCallback`): its
     ``post_step`` then saves the state after the other callbacks acted on the step, so a
@@ -43,21 +44,31 @@ class CheckpointCallback(Callback):
         trainer.resumed_from = None
         # lock, writable, room for a checkpoint: refused now rather than at the first save
         self.guard = save_guard.SaveGuard.start(trainer, trainer.save_dir)
-        path, load_optimizer = ckpt.latest_checkpoint(trainer.save_dir), True
-        if path is None and t.load_dir:
-            path, load_optimizer = ckpt.latest_checkpoint(t.load_dir), t.load_optimizer
-            if path is None:
+        candidates = ckpt.resume_candidates(trainer.save_dir)
+        weights_only, source = False, f"train.save_dir={trainer.save_dir}"
+        if not candidates and t.load_dir:
+            candidates = ckpt.resume_candidates(t.load_dir)
+            weights_only, source = t.load_weights_only, "train.load_dir"
+            if not candidates:
                 raise ConfigError(f"train.load_dir={t.load_dir} holds no checkpoint "
                                   f"(no {ckpt.TRACKER} and no {ckpt.META})")
-        if path is None:
+        if not candidates:
             return
-        meta = ckpt.load(trainer, path, load_optimizer=load_optimizer)
+        path = ckpt.first_intact(candidates, t.ckpt_integrity)
+        if path is None:
+            raise RuntimeError(f"every checkpoint to resume from is damaged: "
+                               f"{', '.join(candidates)} (see the warnings above)")
+        ckpt.check_record(path, trainer.run, weights_only, source)
+        meta = ckpt.load(trainer, path, weights_only=weights_only)
         trainer.resumed_from = path
-        if load_optimizer:
+        if not weights_only:
             self.last_saved_step = trainer.step
         if trainer.topo.is_logging_rank:
             print(f"resumed from {path} at step {meta['step']}"
-                  + ("" if load_optimizer else " (weights only)"), flush=True)
+                  + (" (weights only)" if weights_only else ""), flush=True)
+
+    def post_restore(self, trainer) -> None:
+        self.last_saved_step = trainer.step  # a rollback loaded the checkpoint of this step
 
     def save(self, trainer) -> None:
         if self.last_saved_step == trainer.step:

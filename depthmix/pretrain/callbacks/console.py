@@ -49,7 +49,8 @@ class ConsoleLogger(Callback):
             f"step {trainer.step:>6}/{t.steps} | loss {result.loss:.4f} | lr {result.lr:.3e} "
             f"| grad {grad} | scale {result.loss_scale:g} | {perf.tokens_per_s:,.0f} tok/s "
             f"| {perf.tflops_per_device:.2f} TFLOP/s{mfu}{mem_text} "
-            f"| {perf.seconds_per_step:.3f} s/step" + (" | skipped" if result.skipped else ""),
+            f"| {perf.seconds_per_step:.3f} s/step" + (" | skipped" if result.skipped else "")
+            + (f" | nonfinite {n}" if (n := getattr(result, "nonfinite_steps", 0)) else ""),
         )
 
     def post_eval(self, trainer, result) -> None:

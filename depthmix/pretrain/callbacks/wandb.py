@@ -8,8 +8,9 @@
   ``offline-run-<time>-<id>`` directory with that id; ``wandb sync`` merges them.
 * Logged: the full resolved config (plus layout, world size, FLOPs per token); every
   ``train.log_interval`` steps ``train/{loss,lr,grad_norm,loss_scale,skipped,
-  consumed_samples,tokens}``, ``perf/{tokens_per_s,tflops_per_device,mfu,step_time_s}``,
-  ``mem/*``; after each evaluation ``val/{loss,ppl}``; every
+  nonfinite_steps,consumed_samples,tokens}``,
+  ``perf/{tokens_per_s,tflops_per_device,mfu,step_time_s}``, ``mem/*``; after each
+  evaluation ``val/{loss,ppl}``; every
   ``logger.depth_stats_interval`` steps the depth statistics (:mod:`depthmix.pretrain.
   depth_stats`) as heatmaps (``depth/<name>/heatmap``; a ``wandb.Image`` when Pillow is
   installed, else an HTML panel with the PNG inline), a table and scalars. The PNGs are
@@ -127,6 +128,7 @@ class WandbLogger(Callback):
             "train/lr": result.lr,
             "train/loss_scale": result.loss_scale,
             "train/skipped": int(result.skipped),
+            "train/nonfinite_steps": getattr(result, "nonfinite_steps", 0),
             "train/consumed_samples": trainer.consumed_samples,
             "train/tokens": trainer.consumed_samples * trainer.run.model.seq_length,
             **perf.as_dict(),
