@@ -309,14 +309,15 @@ def state_bytes(trainer) -> int:
 
 def _prunable(root: str, keep_last: int) -> list:
     """Complete checkpoints that the retention after the next save removes anyway (oldest
-    first), never the newest complete one."""
-    from depthmix.pretrain.checkpoint import list_checkpoints
+    first), never the newest complete one nor the newest healthy or confirmed one."""
+    from depthmix.pretrain.checkpoint import list_checkpoints, newest_healthy
 
     complete = list_checkpoints(root)
     if keep_last <= 0 or not complete:
         return []
     doomed = complete[:len(complete) - (keep_last - 1)]
-    return [c for c in doomed if c != complete[-1]]
+    keep = {newest_healthy(root), newest_healthy(root, confirmed=True)}
+    return [c for c in doomed if c != complete[-1] and c[1] not in keep]
 
 
 def needed_bytes(root: str, estimate: Optional[int]) -> tuple:
