@@ -21,6 +21,9 @@ from torch import Tensor
 
 DepthState = Dict[str, Tensor]
 
+HIDDEN = "h"
+"""Depth-state name of the ordinary residual stream."""
+
 STEM = -1
 """Writer index of the embedding stem (before layer 0)."""
 

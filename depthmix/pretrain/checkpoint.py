@@ -47,6 +47,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from depthmix.config.fingerprint import record
 from depthmix.config.schema import ConfigError
+from depthmix.config.validate import CKPT_OPTIM_FORMATS
 
 log = logging.getLogger("depthmix")
 
@@ -54,7 +55,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 META = "depthmix.json"
 TOKENIZER = "tokenizer.json"
 FORMAT_VERSION = 1
-OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")
+OPTIM_FORMATS = CKPT_OPTIM_FORMATS
 
 
 def step_dir(root: str, step: int) -> str:

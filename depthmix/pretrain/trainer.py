@@ -13,7 +13,7 @@ from megatron.core.distributed import finalize_model_grads
 
 from depthmix.config.megatron import to_transformer_config
 from depthmix.config.schema import RunConfig
-from depthmix.config.validate import validate
+from depthmix.config.preflight import preflight
 from depthmix.pretrain.callbacks import Callback, ConsoleLogger
 from depthmix.pretrain.optim import build_optimizer
 from depthmix.pretrain.parallelize import build_model, init_distributed
@@ -30,11 +30,8 @@ class Trainer:
         ``valid_iterator()``), or a builder with ``build_data``'s signature
         ``(run, dp_rank, dp_size, consumed_train_samples)``, called after callbacks have
         restored a checkpoint's data position."""
-        from depthmix.pretrain.launch_env import validate_launch
-
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        validate(run, world_size)  # before any process group or model exists
-        validate_launch(run, world_size)
+        preflight(run, world_size)  # before any process group or model exists
         self.run = run
         self.topo = init_distributed(run)
         self._agree_on_output_dir()
