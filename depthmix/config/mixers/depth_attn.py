@@ -11,11 +11,12 @@ from typing import ClassVar, Dict, List, Optional, Tuple
 
 from depthmix.config.mixers.base import Mixer, MixerConfig, model_spec_in, residual_stream_entry
 from depthmix.config.schema import ConfigError
-from depthmix.kernels.depth_mix import MIX_RULES, MIXED_STATES
 from depthmix.megatron_ext.depth_state import Entry
 
 
 SOURCE_MODES = ("anchored", "relative")
+MIX_RULES = ("softmax", "uniform")
+MIXED_STATES = ("value", "key", "key_value")
 
 
 # ---- which layers feed which --------------------------------------------------------------

@@ -11,11 +11,17 @@ from typing import ClassVar, Dict, List, Tuple
 
 from depthmix.config.mixers.base import ExtraParams, Mixer, MixerConfig, model_spec_in
 from depthmix.config.schema import ConfigError
-from depthmix.kernels.mhc import VARIANTS, coefficient_width
 from depthmix.megatron_ext.depth_state import STEM, Entry
+
+VARIANTS = ("mhc", "hc", "identity")
 
 STREAMS = "streams"
 """Depth-state name of the ``n`` residual streams ``[s, b, n, h]``."""
+
+
+def coefficient_width(variant: str, n: int) -> int:
+    """Number of coefficient logits ``m`` per token: ``2n + n^2`` (``2n`` for identity)."""
+    return 2 * n if variant == "identity" else 2 * n + n * n
 
 
 @dataclass
