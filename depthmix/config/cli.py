@@ -296,7 +296,8 @@ def compose_points(overrides: Sequence[str], multirun: bool = False,
             if any(o.is_sweep_override() for o in parsed):
                 swept = next(o.input_line for o in parsed if o.is_sweep_override())
                 raise ConfigError(f"{swept} lists several values: add -m (--multirun) to "
-                                  "run one job per value")
+                                  "run one job per value, or quote a value with commas "
+                                  "(key='a,b')")
             return [Point(list(overrides), " ".join(overrides), checked(overrides))]
         first = [o.input_line if not o.is_sweep_override()
                  else f"{o.get_key_element()}={_values(o)[0]}" for o in parsed]
