@@ -197,6 +197,15 @@ def test_config_errors(tmp_path, data_cache, make_run, embedded, two_prefixes):
         preflight(emb, 1)
 
 
+def test_preflight_reads_the_document_count_megatron_reads(two_prefixes):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from depthmix.config.preflight import sequence_count
+
+    for prefix in two_prefixes:
+        assert sequence_count(prefix) == len(IndexedDataset(prefix, mmap=True).sequence_lengths)
+
+
 def test_cache_is_reused(data_cache, make_run, embedded):
     run = make_run(data_cache, steps=7)
     build_data(run, 0, 1)
