@@ -178,10 +178,18 @@ def probe(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_help_and_dry_run_do_not_import_megatron(tmp_path):
+def test_help_dry_run_and_preprocess_do_not_import_megatron(tmp_path):
     helped = depthmix_train(tmp_path, "--help", probe=True)
     assert probe(helped) == {"code": 0, "megatron": False, "torch": False}, helped.stderr
     assert "mixer=depth_attn options:" in helped.stdout and "_schema" not in helped.stdout
+
+    env = dict(os.environ, PYTHONPATH=REPO)
+    preprocess = subprocess.run(
+        [sys.executable, "-c", "import sys; from depthmix.data.preprocess import main\n"
+         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+         "print('megatron' in sys.modules)"], env=env, capture_output=True, text=True,
+        timeout=120)
+    assert preprocess.stdout.strip().splitlines()[-1] == "False", preprocess.stderr
 
     planned = depthmix_train(tmp_path, "model=3b", "parallel=tp2_pp4", "train=paper",
                              "train.dry_run=true", "parallel.world_size=64", probe=True)
