@@ -1,19 +1,58 @@
-"""The one function that maps a :class:`RunConfig` onto Megatron's ``TransformerConfig``."""
+"""The one function that maps a :class:`RunConfig` onto Megatron's ``TransformerConfig``
+(:func:`to_transformer_config`), and its Megatron-free stand-in for plans and cost hooks
+(:func:`plan_config`)."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from dataclasses import dataclass
+from typing import Any
 
 from depthmix.config.schema import RunConfig
+from depthmix.config.validate import padded_vocab_size  # noqa: F401  (re-exported)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+@dataclass
+class PlanConfig:
+    """The fields of ``DepthMixConfig`` that mixers' plans and cost hooks and the accounting
+    read, built without Megatron (the dry run). Same names and values as the real config."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    seq_length: int
+    vocab_size: int
+    n_loops: int
+    qk_layernorm: bool
+    sequence_parallel: bool
+    tensor_model_parallel_size: int
+    mixer: Any = None
+
+    @property
+    def unrolled_layers(self) -> int:
+        return self.num_layers * self.n_loops
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels
+
+    @property
+    def group_size(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """Round up to ``divisible_by`` (not times TP: the padded size, hence the initial
-    weights, must not depend on the layout; validation checks it divides by TP)."""
-    return ((vocab_size + divisible_by - 1) // divisible_by) * divisible_by
+def plan_config(run: RunConfig) -> PlanConfig:
+    m, p = run.model, run.parallel
+    return PlanConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        kv_channels=m.head_dim or m.hidden_size // m.num_attention_heads,
+        seq_length=m.seq_length,
+        vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
+        n_loops=m.n_loops, qk_layernorm=m.qk_layernorm, sequence_parallel=p.sequence_parallel,
+        tensor_model_parallel_size=p.tp, mixer=run.mixer,
+    )
 
 
 def to_transformer_config(run: RunConfig):
@@ -24,12 +63,14 @@ def to_transformer_config(run: RunConfig):
     Hugging Face configs ("initializer range"), so output projections are *not* scaled by
     1/sqrt(2L) as Megatron's default would; untied embeddings.
     """
+    import torch
+    import torch.nn.functional as F
     from megatron.core.utils import init_method_normal
 
     from depthmix.megatron_ext.config import DepthMixConfig
 
     m, p, t = run.model, run.parallel, run.train
-    dtype = DTYPES[t.precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
     init = init_method_normal(m.init_std)
     return DepthMixConfig(
         # architecture

@@ -21,10 +21,15 @@ class ModelConfig:
     """Architecture of the Qwen3-style decoder (a preset from ``configs/model``)."""
 
     name: str = "tiny"
+    """Preset name (``configs/model/<name>.yaml``); used in output directory names."""
     num_layers: int = 4
+    """Transformer layers (each: attention and MLP sublayers)."""
     hidden_size: int = 128
+    """Model width ``d``."""
     ffn_hidden_size: int = 352
+    """SwiGLU MLP inner width."""
     num_attention_heads: int = 4
+    """Query heads ``H``."""
     num_query_groups: int = 2
     """KV heads; ``num_attention_heads / num_query_groups`` is the GQA group size G."""
     head_dim: Optional[int] = None
@@ -32,12 +37,18 @@ class ModelConfig:
     vocab_size: int = 50304
     """Rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` for the embedding."""
     make_vocab_size_divisible_by: int = 128
+    """Pad the embedding and output layer to a multiple of this (Megatron-LM's default
+    128)."""
     seq_length: int = 2048
+    """Tokens per training sample."""
     init_std: float = 0.02
+    """Standard deviation of the normal initialisation of every weight."""
     norm_epsilon: float = 1e-6
     """The papers omit it; 1e-6 is Qwen3's value."""
     rotary_base: float = 10000.0
+    """RoPE base frequency."""
     qk_layernorm: bool = True
+    """RMSNorm of queries and keys per head (Qwen3)."""
     norm_position: str = "pre"
     """``pre`` (default) or ``post`` (post-norm blocks; MoDA reports they suit it)."""
     n_loops: int = 1
@@ -47,15 +58,21 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1
+    """Tensor-parallel size."""
     pp: int = 1
+    """Pipeline-parallel size (stages)."""
     vp: Optional[int] = None
     """Virtual pipeline stages per pipeline rank (interleaved 1F1B); None = plain 1F1B."""
     dp: Optional[int] = None
     """Data-parallel size; derived as world / (tp * pp) when None, checked when set."""
     sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs ``tp > 1``)."""
     distributed_optimizer: bool = False
+    """Shard optimizer state over the data-parallel ranks (ZeRO-1)."""
     overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass."""
     overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
     recompute: str = "none"
     """``none`` or ``full`` (every layer re-runs in backward, depth mixing included)."""
     world_size: Optional[int] = None
@@ -69,46 +86,73 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     name: str = "embedded"
+    """``embedded`` (the generated corpus) or a dataset preset (``configs/data``)."""
     prefixes: list[Any] = field(default_factory=list)
     """Megatron data prefixes (``path/to/doc`` for ``doc.bin/.idx``), optionally
     interleaved with blend weights: ``[0.3, a, 0.7, b]``. Empty = the embedded corpus."""
     tokenizer: Optional[str] = None
     """Path to a Hugging Face ``tokenizers`` JSON file (required with ``prefixes``)."""
     split: str = "98,2,0"
+    """Train, validation and test shares of the documents: one to three non-negative numbers
+    with a positive sum, e.g. ``98,2,0``."""
     cache_dir: Optional[str] = None
     """Where dataset index caches (and the embedded corpus) are written."""
     embedded_documents: int = 4000
+    """Documents in the embedded corpus."""
     embedded_vocab_size: int = 2048
+    """BPE vocabulary of the embedded corpus's tokenizer (>= 258, <=
+    ``model.vocab_size``)."""
     eod_mask_loss: bool = False
+    """Exclude end-of-document tokens from the loss."""
     num_workers: int = 0
+    """DataLoader worker processes per rank (0 = load in the training process)."""
 
 
 @dataclass
 class TrainConfig:
     micro_batch_size: int = 4
+    """Samples per forward/backward on one data-parallel rank."""
     global_batch_size: int = 16
+    """Samples per optimizer step, over all data-parallel ranks and micro-batches."""
     steps: int = 200
+    """Optimizer steps of the whole run (also the length of the LR schedule)."""
     lr: float = 3e-3
+    """Peak learning rate (> 0)."""
     min_lr: float = 3e-4
+    """Learning rate at the end of the decay (0 <= min_lr <= lr)."""
     warmup_fraction: float = 0.02
-    """Linear warmup over this fraction of ``steps`` (ignored when ``warmup_steps`` is set)."""
+    """Fraction of ``steps`` spent in linear warmup, in [0, 1) (ignored when
+    ``warmup_steps`` is set)."""
     warmup_steps: Optional[int] = None
     """Linear warmup over this many steps (e.g. the MoDA paper's 2k), instead of a fraction."""
     lr_decay_style: str = "cosine"
+    """``cosine``, ``linear``, ``constant`` or ``inverse-square-root`` after warmup."""
     weight_decay: float = 0.1
+    """AdamW weight decay (not on norms, biases or depth-mixing parameters)."""
     adam_beta1: float = 0.9
+    """Adam beta1, in [0, 1)."""
     adam_beta2: float = 0.95
+    """Adam beta2, in [0, 1)."""
     adam_eps: float = 1e-8
+    """Adam epsilon (> 0)."""
     clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
     precision: str = "fp32"
     """``fp32``, ``bf16`` or ``fp16`` (fp16 uses dynamic loss scaling)."""
     initial_loss_scale: float = 2.0**16
+    """fp16: starting dynamic loss scale."""
     loss_scale_window: int = 1000
+    """fp16: steps without overflow before the loss scale grows."""
     min_loss_scale: float = 1.0
+    """fp16: the loss scale never drops below this."""
     seed: int = 1234
+    """Seed of initialisation, data order and dropout (>= 0)."""
     log_interval: int = 10
+    """Print and log the training loss every N steps."""
     eval_interval: int = 100
+    """Evaluate on the validation split every N steps (0 = never); also at the end of training."""
     eval_iters: int = 4
+    """Global batches per evaluation."""
     save_interval: int = 0
     """Save a checkpoint every N steps (0 = only at the end of training and on preemption)."""
     save_dir: Optional[str] = None
@@ -166,13 +210,19 @@ class TrainConfig:
 @dataclass
 class LoggerConfig:
     wandb: bool = True
+    """Log to Weights & Biases (rank 0)."""
     mode: str = "offline"
     """``offline`` (default), ``online`` or ``disabled``."""
     project: str = "depthmix"
+    """W&B project."""
     entity: Optional[str] = None
+    """W&B entity (team or user); None = your default."""
     name: Optional[str] = None
+    """W&B run name; None = derived from the model and mixer."""
     dir: Optional[str] = None
+    """Where W&B writes its files; None = the run's output directory."""
     tags: list[str] = field(default_factory=list)
+    """W&B tags."""
     depth_stats_interval: int = 0
     """Log per-layer depth-mixing weights every N steps (0 = never): one extra no-grad
     forward over the first validation micro-batch(es), heatmaps + scalars to W&B and PNGs

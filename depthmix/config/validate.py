@@ -1,15 +1,62 @@
-"""Start-up checks: every impossible configuration fails here, before any model is built."""
+"""Option checks: every impossible configuration fails here, before any model is built.
+
+:func:`validate` runs one check per config group (``validate_model``, ``validate_parallel``,
+``validate_data``, ``validate_train``, ``validate_logger``), the mixer's own
+``MixerConfig.validate`` and, given the world size, the layout checks. String options
+take one of the values in :data:`CHOICES` (a misspelt one is told the closest), any text
+(:data:`FREE_TEXT`: names and paths), or a syntax of their own (:data:`SYNTAX`). The checks
+that read files (data, tokenizer, save directory) are in :mod:`depthmix.config.preflight`.
+Nothing here imports torch or Megatron.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import difflib
+from typing import Any, Iterable, Optional, Sequence
 
 from depthmix.config.schema import ConfigError, RunConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
+"""Megatron's ``OptimizerParamScheduler`` styles (``WSD`` needs options depthmix lacks)."""
+CKPT_OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")
+LOGGER_MODES = ("offline", "online", "disabled")
 NONFINITE_POLICIES = ("skip", "stop", "rollback")
 SPIKE_POLICIES = ("log", "skip", "rollback")
 CKPT_INTEGRITY = ("checksum", "size", "off")
+
+CHOICES = {
+    "model.norm_position": ("pre", "post"),
+    "parallel.recompute": ("none", "full"),
+    "train.precision": PRECISIONS,
+    "train.lr_decay_style": LR_DECAY_STYLES,
+    "train.ckpt_optim_format": CKPT_OPTIM_FORMATS,
+    "logger.mode": LOGGER_MODES,
+    "train.on_nonfinite": NONFINITE_POLICIES,
+    "train.on_spike": SPIKE_POLICIES,
+    "train.ckpt_integrity": CKPT_INTEGRITY,
+}
+"""Allowed values of the string options of the config groups (mixers: ``MixerConfig.CHOICES``)."""
+FREE_TEXT = frozenset({
+    "model.name", "data.name", "data.tokenizer", "data.cache_dir", "train.save_dir",
+    "train.load_dir", "logger.project", "logger.entity", "logger.name", "logger.dir",
+    "output_dir",
+})
+"""String options that take any text: names (of a preset, a run, a W&B project) and paths."""
+SYNTAX = frozenset({"data.split"})
+"""String options with a syntax of their own, checked by their group's function."""
+
+
+def closest(value: Any, allowed: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the allowed value nearest ``value``, else ``""``."""
+    match = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def check_choice(option: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{option}={value!r} is not one of {', '.join(allowed)}"
+                          f"{closest(value, allowed)}")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -17,44 +64,82 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def data_parallel_size(run: RunConfig, world_size: int) -> int:
-    p = run.parallel
-    model_parallel = p.tp * p.pp
-    _require(
-        world_size % model_parallel == 0,
-        f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
-        f"{p.tp} * {p.pp}",
-    )
-    dp = world_size // model_parallel
-    _require(
-        p.dp is None or p.dp == dp,
-        f"world size {world_size} != parallel.tp * parallel.pp * parallel.dp = "
-        f"{p.tp} * {p.pp} * {p.dp}",
-    )
-    return dp
+def _at_least(option: str, value, low) -> None:
+    _require(value >= low, f"{option}={value} must be >= {low}")
 
 
-def _validate_health(t) -> None:
-    """Divergence policies and checkpoint integrity (``depthmix.pretrain.health``)."""
-    _require(t.on_nonfinite in NONFINITE_POLICIES,
-             f"train.on_nonfinite={t.on_nonfinite!r} must be one of {NONFINITE_POLICIES}")
-    _require(t.on_spike in SPIKE_POLICIES,
-             f"train.on_spike={t.on_spike!r} must be one of {SPIKE_POLICIES}")
-    _require(t.max_nonfinite_steps >= 1,
-             f"train.max_nonfinite_steps={t.max_nonfinite_steps} must be >= 1")
-    _require(t.spike_zscore is None or t.spike_zscore > 0,
-             f"train.spike_zscore={t.spike_zscore} must be > 0 (or null: no spike detection)")
-    _require(t.spike_window >= 2, f"train.spike_window={t.spike_window} must be >= 2")
-    _require(t.ckpt_integrity in CKPT_INTEGRITY,
-             f"train.ckpt_integrity={t.ckpt_integrity!r} must be one of {CKPT_INTEGRITY}")
+def _positive(option: str, value) -> None:
+    _require(value > 0, f"{option}={value} must be > 0")
 
 
-def validate(run: RunConfig, world_size: Optional[int] = None) -> None:
-    """Raise :class:`ConfigError` naming the option for any configuration that cannot run."""
-    m, p, t, d = run.model, run.parallel, run.train, run.data
+def _choices(group: str, cfg) -> None:
+    for option, allowed in CHOICES.items():
+        if option.startswith(f"{group}."):
+            check_choice(option, getattr(cfg, option.split(".", 1)[1]), allowed)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """Round up to ``divisible_by`` (not times TP: the padded size, hence the initial
+    weights, must not depend on the layout; validation checks it divides by TP)."""
+    return ((vocab_size + divisible_by - 1) // divisible_by) * divisible_by
+
+
+def split_weights(split: str) -> list:
+    """``data.split`` -> three non-negative weights ``[train, valid, test]`` summing to 1.
+
+    One to three comma-separated numbers (missing ones are 0), as Megatron reads it."""
+    bad = ConfigError(f"data.split={split!r} must be one to three non-negative weights "
+                      "'train,valid,test' with a positive sum, e.g. '98,2,0'")
+    try:
+        vector = [float(x) for x in str(split).split(",")]
+    except ValueError:
+        raise bad from None
+    if not 1 <= len(vector) <= 3 or any(not x >= 0 for x in vector) or not sum(vector) > 0:
+        raise bad
+    vector += [0.0] * (3 - len(vector))
+    total = sum(vector)
+    return [x / total for x in vector]
+
+
+def parse_blend(prefixes: list) -> tuple:
+    """``[p1, p2]`` -> ``([p1, p2], None)``; ``[w1, p1, w2, p2]`` -> ``([p1, p2], [w1, w2])``."""
+
+    def number(x) -> Optional[float]:
+        if isinstance(x, bool):
+            return None
+        if isinstance(x, (int, float)):
+            return float(x)
+        try:
+            return float(str(x))
+        except ValueError:
+            return None
+
+    items = list(prefixes)
+    if all(number(x) is None for x in items):
+        return [str(x) for x in items], None
+    weights, paths = items[0::2], items[1::2]
+    if (len(items) % 2 or any(number(w) is None for w in weights)
+            or any(number(p) is not None for p in paths)):
+        raise ConfigError(f"data.prefixes={items} must be [prefix, ...] or "
+                          "[weight, prefix, weight, prefix, ...]")
+    w = [number(x) for x in weights]
+    if any(x <= 0 for x in w):
+        raise ConfigError(f"data.prefixes: blend weights {w} must all be > 0")
+    return [str(p) for p in paths], w
+
+
+# ------------------------------------------------------------------------ per group
+def validate_model(run: RunConfig) -> None:
+    m = run.model
+    _choices("model", m)
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                 "num_query_groups", "vocab_size", "seq_length", "n_loops"):
-        _require(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be >= 1")
+                 "num_query_groups", "vocab_size", "seq_length", "n_loops",
+                 "make_vocab_size_divisible_by"):
+        _at_least(f"model.{name}", getattr(m, name), 1)
+    if m.head_dim is not None:
+        _at_least("model.head_dim", m.head_dim, 1)
+    for name in ("init_std", "norm_epsilon", "rotary_base"):
+        _positive(f"model.{name}", getattr(m, name))
     _require(m.num_attention_heads % m.num_query_groups == 0,
              f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
              f"model.num_query_groups={m.num_query_groups}")
@@ -62,19 +147,22 @@ def validate(run: RunConfig, world_size: Optional[int] = None) -> None:
         _require(m.hidden_size % m.num_attention_heads == 0,
                  f"model.hidden_size={m.hidden_size} is not divisible by "
                  f"model.num_attention_heads={m.num_attention_heads}; set model.head_dim")
-    _require(m.norm_position in ("pre", "post"),
-             f"model.norm_position={m.norm_position!r} must be 'pre' or 'post'")
 
+
+def validate_parallel(run: RunConfig) -> None:
+    m, p = run.model, run.parallel
+    _choices("parallel", p)
     for name in ("tp", "pp"):
-        _require(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be >= 1")
+        _at_least(f"parallel.{name}", getattr(p, name), 1)
+    for name in ("dp", "world_size"):
+        if getattr(p, name) is not None:
+            _at_least(f"parallel.{name}", getattr(p, name), 1)
     _require(m.num_attention_heads % p.tp == 0,
              f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
              f"parallel.tp={p.tp}")
     _require(m.num_query_groups % p.tp == 0,
              f"model.num_query_groups={m.num_query_groups} (KV heads) is not divisible by "
              f"parallel.tp={p.tp}")
-    from depthmix.config.megatron import padded_vocab_size
-
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
     _require(vocab % p.tp == 0,
              f"padded vocabulary {vocab} (model.vocab_size={m.vocab_size} rounded up to "
@@ -95,46 +183,112 @@ def validate(run: RunConfig, world_size: Optional[int] = None) -> None:
         _require(m.seq_length % p.tp == 0,
                  f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp} "
                  "(needed by parallel.sequence_parallel)")
-    _require(p.recompute in ("none", "full"),
-             f"parallel.recompute={p.recompute!r} must be 'none' or 'full'")
 
-    _require(t.precision in PRECISIONS,
-             f"train.precision={t.precision!r} must be one of {PRECISIONS}")
-    _require(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size} must be >= 1")
-    _require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+
+def validate_data(run: RunConfig) -> None:
+    d = run.data
+    weights = split_weights(d.split)
+    _require(weights[0] > 0, f"data.split={d.split!r} leaves no training data (its first "
+             "weight, the train share, is 0)")
+    _at_least("data.num_workers", d.num_workers, 0)
+    if d.prefixes:
+        parse_blend(d.prefixes)
+        _require(bool(d.tokenizer),
+                 "data.tokenizer (a tokenizers JSON file) is required with data.prefixes")
+        return
+    _require(d.name == "embedded",
+             f"data={d.name} has no data.prefixes: give data.prefixes=[path/prefix, ...] "
+             "(see depthmix-preprocess), or use data=embedded")
+    _at_least("data.embedded_documents", d.embedded_documents, 1)
+    _require(d.embedded_vocab_size >= 258,
+             f"data.embedded_vocab_size={d.embedded_vocab_size} must be >= 258 "
+             "(2 special tokens + 256 byte symbols)")
+
+
+def validate_train(run: RunConfig) -> None:
+    t = run.train
+    _choices("train", t)
+    for name in ("micro_batch_size", "global_batch_size", "steps", "log_interval",
+                 "loss_scale_window"):
+        _at_least(f"train.{name}", getattr(t, name), 1)
+    for name in ("eval_interval", "eval_iters", "save_interval", "keep_last", "seed"):
+        _at_least(f"train.{name}", getattr(t, name), 0)
+    for name in ("lr", "adam_eps", "initial_loss_scale", "min_loss_scale"):
+        _positive(f"train.{name}", getattr(t, name))
+    for name in ("min_lr", "weight_decay", "clip_grad"):
+        _at_least(f"train.{name}", getattr(t, name), 0)
+    _require(t.min_lr <= t.lr, f"train.min_lr={t.min_lr} must be <= train.lr={t.lr}")
     _require(0.0 <= t.warmup_fraction < 1.0,
              f"train.warmup_fraction={t.warmup_fraction} must be in [0, 1)")
     _require(t.warmup_steps is None or 0 <= t.warmup_steps < t.steps,
              f"train.warmup_steps={t.warmup_steps} must be in [0, train.steps={t.steps})")
-    _validate_health(t)
+    for name in ("adam_beta1", "adam_beta2"):
+        _require(0.0 <= getattr(t, name) < 1.0,
+                 f"train.{name}={getattr(t, name)} must be in [0, 1)")
+    _require(t.min_loss_scale <= t.initial_loss_scale,
+             f"train.min_loss_scale={t.min_loss_scale} must be <= train.initial_loss_scale="
+             f"{t.initial_loss_scale}")
+    if t.exit_after_steps is not None:
+        _at_least("train.exit_after_steps", t.exit_after_steps, 1)
+    if t.peak_tflops is not None:
+        _positive("train.peak_tflops", t.peak_tflops)
+    # divergence policies and checkpoint integrity (depthmix.pretrain.health)
+    _at_least("train.max_nonfinite_steps", t.max_nonfinite_steps, 1)
+    if t.spike_zscore is not None:
+        _positive("train.spike_zscore", t.spike_zscore)
+    _at_least("train.spike_window", t.spike_window, 2)
+
+
+def validate_logger(run: RunConfig) -> None:
+    lg = run.logger
+    _choices("logger", lg)
+    _at_least("logger.depth_stats_interval", lg.depth_stats_interval, 0)
+
+
+def data_parallel_size(run: RunConfig, world_size: int) -> int:
+    p = run.parallel
+    model_parallel = p.tp * p.pp
+    _require(
+        world_size % model_parallel == 0,
+        f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
+        f"{p.tp} * {p.pp}",
+    )
+    dp = world_size // model_parallel
+    _require(
+        p.dp is None or p.dp == dp,
+        f"world size {world_size} != parallel.tp * parallel.pp * parallel.dp = "
+        f"{p.tp} * {p.pp} * {p.dp}",
+    )
+    return dp
+
+
+def validate_layout(run: RunConfig, world_size: int) -> None:
+    """The checks that need the number of processes."""
+    p, t = run.parallel, run.train
+    _require(world_size >= 1, f"world size {world_size} must be >= 1 (parallel.world_size)")
+    _require(p.world_size is None or p.world_size == world_size,
+             f"parallel.world_size={p.world_size} but this job has {world_size} processes "
+             "(torchrun --nnodes x --nproc-per-node, or srun tasks)")
+    dp = data_parallel_size(run, world_size)
+    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+             f"train.global_batch_size={t.global_batch_size} is not divisible by "
+             f"train.micro_batch_size * data-parallel size = {t.micro_batch_size} * {dp}")
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.pp > 1 and p.vp is not None:
+        _require(num_micro % p.pp == 0,
+                 f"interleaved pipelining needs the number of micro-batches ({num_micro} = "
+                 f"train.global_batch_size / (train.micro_batch_size * dp)) to be a "
+                 f"multiple of parallel.pp={p.pp}")
+
+
+def validate(run: RunConfig, world_size: Optional[int] = None) -> None:
+    """Raise :class:`ConfigError` naming the option for any configuration that cannot run."""
+    validate_model(run)
+    validate_parallel(run)
+    validate_data(run)
+    validate_train(run)
+    validate_logger(run)
     if world_size is not None:
-        dp = data_parallel_size(run, world_size)
-        _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-                 f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                 f"train.micro_batch_size * data-parallel size = {t.micro_batch_size} * {dp}")
-        num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-        if p.pp > 1 and p.vp is not None:
-            _require(num_micro % p.pp == 0,
-                     f"interleaved pipelining needs the number of micro-batches ({num_micro} = "
-                     f"train.global_batch_size / (train.micro_batch_size * dp)) to be a "
-                     f"multiple of parallel.pp={p.pp}")
-
-    if d.prefixes:
-        _require(d.tokenizer is not None,
-                 "data.tokenizer (a tokenizers JSON file) is required with data.prefixes")
-        import os
-
-        from depthmix.data.integrity import check_prefix
-
-        for i, item in enumerate(d.prefixes):
-            if isinstance(item, (int, float)):
-                continue
-            check_prefix(os.path.expanduser(str(item)), f"data.prefixes[{i}]", deep=False)
-        _require(os.path.exists(d.tokenizer), f"data.tokenizer={d.tokenizer} not found")
-    else:
-        _require(d.name == "embedded",
-                 f"data={d.name} has no data.prefixes: give data.prefixes=[path/prefix, ...] "
-                 "(see depthmix-preprocess), or use data=embedded")
-
+        validate_layout(run, world_size)
     if run.mixer is not None:
-        run.mixer.validate(m, p)
+        run.mixer.validate(run.model, run.parallel)

@@ -44,8 +44,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from depthmix.config.schema import ConfigError, RunConfig
-from depthmix.data.tokenizer import HFTokenizer
+from depthmix.config.schema import RunConfig
+from depthmix.config.validate import parse_blend  # noqa: F401  (re-exported)
+from depthmix.data.tokenizer import HFTokenizer, load_tokenizer  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -155,15 +156,7 @@ def prepare_embedded(run: RunConfig) -> EmbeddedPaths:
     and the others wait at a barrier; without one, a file lock serialises them. A rank
     that still finds nothing after the barrier (node-local cache) builds its own copy.
     """
-    d = run.data
-    if d.embedded_documents < 1:
-        raise ConfigError(f"data.embedded_documents={d.embedded_documents} must be >= 1")
-    if d.embedded_vocab_size < 258:
-        raise ConfigError(f"data.embedded_vocab_size={d.embedded_vocab_size} must be >= 258 "
-                          "(2 special tokens + 256 byte symbols)")
-    if d.embedded_vocab_size > run.model.vocab_size:
-        raise ConfigError(f"data.embedded_vocab_size={d.embedded_vocab_size} is larger than "
-                          f"model.vocab_size={run.model.vocab_size}")
+    d = run.data  # options checked by depthmix.config.validate.validate_data
     paths = embedded_paths(cache_dir(run), d.embedded_documents, d.embedded_vocab_size)
     if _distributed():
         if torch.distributed.get_rank() == 0:
@@ -174,33 +167,6 @@ def prepare_embedded(run: RunConfig) -> EmbeddedPaths:
 
 
 # ------------------------------------------------------------------------ blends
-def parse_blend(prefixes: list[Any]) -> tuple[list[str], Optional[list[float]]]:
-    """``[p1, p2]`` -> ``([p1, p2], None)``; ``[w1, p1, w2, p2]`` -> ``([p1, p2], [w1, w2])``."""
-
-    def number(x) -> Optional[float]:
-        if isinstance(x, bool):
-            return None
-        if isinstance(x, (int, float)):
-            return float(x)
-        try:
-            return float(str(x))
-        except ValueError:
-            return None
-
-    items = list(prefixes)
-    if all(number(x) is None for x in items):
-        return [str(x) for x in items], None
-    weights, paths = items[0::2], items[1::2]
-    if (len(items) % 2 or any(number(w) is None for w in weights)
-            or any(number(p) is not None for p in paths)):
-        raise ConfigError(f"data.prefixes={items} must be [prefix, ...] or "
-                          "[weight, prefix, weight, prefix, ...]")
-    w = [number(x) for x in weights]
-    if any(x <= 0 for x in w):
-        raise ConfigError(f"data.prefixes: blend weights {w} must all be > 0")
-    return [str(p) for p in paths], w
-
-
 def _check_prefixes(paths: list[str], weighted: bool, tokenizer: HFTokenizer) -> list[str]:
     """Absolute prefixes, each checked by :func:`~depthmix.data.integrity.check_prefix`.
 
@@ -217,43 +183,6 @@ def _check_prefixes(paths: list[str], weighted: bool, tokenizer: HFTokenizer) ->
                      vocab_source="data.tokenizer")
         out.append(p)
     return out
-
-
-def _split_matrix(split: str) -> list:
-    """Megatron's split matrix for ``data.split`` ('train,valid,test' weights)."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix,
-    )
-
-    bad = ConfigError(f"data.split={split!r} must be one to three non-negative weights "
-                      "'train,valid,test' with a positive sum, e.g. '98,2,0'")
-    try:
-        vector = [float(x) for x in str(split).split(",")]
-    except ValueError:
-        raise bad from None
-    if not 1 <= len(vector) <= 3 or any(x < 0 for x in vector) or sum(vector) <= 0:
-        raise bad
-    vector += [0.0] * (3 - len(vector))
-    matrix = convert_split_vector_to_split_matrix([x / sum(vector) for x in vector])
-    if matrix[0] is None:
-        raise ConfigError(f"data.split={split!r} leaves no training data")
-    return matrix
-
-
-def _check_split_not_empty(prefixes: list[str], matrix: list, split: str) -> None:
-    """Megatron loops for ever on a split that owns zero documents; fail clearly instead."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    names = ("train", "valid", "test")
-    for prefix in prefixes:
-        n = len(IndexedDataset(prefix, mmap=True).sequence_lengths)
-        for name, bounds in zip(names, matrix):
-            if bounds is None:
-                continue
-            beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
-            if end <= beg:
-                raise ConfigError(f"data.split={split!r} gives the {name} split of {prefix} "
-                                  f"no documents ({n} documents in all)")
 
 
 # ------------------------------------------------------------------------ batches
@@ -350,19 +279,6 @@ class Data:
         return self._eval_iterator(self.test_dataset)
 
 
-def load_tokenizer(path: str, option: str, model_vocab_size: int) -> HFTokenizer:
-    if not path or not os.path.isfile(os.path.expanduser(path)):
-        raise ConfigError(f"{option}={path} not found (a tokenizers JSON file)")
-    try:
-        tok = HFTokenizer(os.path.expanduser(path))
-    except Exception as e:  # not a tokenizers file, no end-of-document token, ...
-        raise ConfigError(f"{option}={path}: cannot use it as a tokenizer: {e}") from None
-    if tok.vocab_size > model_vocab_size:
-        raise ConfigError(f"{option}={path} has {tok.vocab_size} tokens, more than "
-                          f"model.vocab_size={model_vocab_size}")
-    return tok
-
-
 def build_data(run: RunConfig, dp_rank: int, dp_size: int, consumed_train_samples: int = 0
                ) -> Data:
     """Tokenizer, train iterator and validation iterators for data-parallel rank ``dp_rank``.
@@ -373,31 +289,18 @@ def build_data(run: RunConfig, dp_rank: int, dp_size: int, consumed_train_sample
     """
     d, t = run.data, run.train
     mbs, gbs = t.micro_batch_size, t.global_batch_size
-    if dp_size < 1 or mbs < 1 or gbs % (mbs * dp_size):
-        raise ConfigError(f"train.global_batch_size={gbs} is not divisible by "
-                          f"train.micro_batch_size * data-parallel size = {mbs} * {dp_size}")
     if consumed_train_samples < 0:
         raise ValueError(f"consumed_train_samples={consumed_train_samples} must be >= 0")
 
     if d.prefixes:
-        if not d.tokenizer:
-            raise ConfigError("data.tokenizer (a tokenizers JSON file) is required with "
-                              "data.prefixes")
         paths, weights = parse_blend(d.prefixes)
         tokenizer = load_tokenizer(d.tokenizer, "data.tokenizer", run.model.vocab_size)
         paths = _check_prefixes(paths, weights is not None, tokenizer)
     else:
-        if d.name != "embedded":
-            raise ConfigError(f"data={d.name} has no data.prefixes: give "
-                              "data.prefixes=[path/prefix, ...] (see depthmix-preprocess), "
-                              "or use data=embedded")
         emb = prepare_embedded(run)
         paths, weights = [emb.prefix], None
         tokenizer = load_tokenizer(emb.tokenizer, "data.embedded_vocab_size (the embedded "
                                    "tokenizer)", run.model.vocab_size)
-
-    matrix = _split_matrix(d.split)
-    _check_split_not_empty(paths, matrix, d.split)
 
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,

@@ -14,6 +14,8 @@ from typing import Iterable, Optional, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from depthmix.config.schema import ConfigError
+
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|padding|>"
 SPECIAL_TOKENS = [EOD_TOKEN, PAD_TOKEN]  # ids 0 and 1, in this order (GPT-NeoX convention)
@@ -119,3 +121,18 @@ class HFTokenizer:
     def __repr__(self) -> str:
         return (f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eod={self.eod}, "
                 f"pad={self.pad})")
+
+
+def load_tokenizer(path: str, option: str, model_vocab_size: int) -> HFTokenizer:
+    """Load a tokenizers JSON file for the config option ``option``; a :class:`ConfigError`
+    names the option when it is missing, unusable, or larger than the model's vocabulary."""
+    if not path or not os.path.isfile(os.path.expanduser(path)):
+        raise ConfigError(f"{option}={path} not found (a tokenizers JSON file)")
+    try:
+        tok = HFTokenizer(os.path.expanduser(path))
+    except Exception as e:  # not a tokenizers file, no end-of-document token, ...
+        raise ConfigError(f"{option}={path}: cannot use it as a tokenizer: {e}") from None
+    if tok.vocab_size > model_vocab_size:
+        raise ConfigError(f"{option}={path} has {tok.vocab_size} tokens, more than "
+                          f"model.vocab_size={model_vocab_size}")
+    return tok

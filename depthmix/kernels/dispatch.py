@@ -14,7 +14,9 @@ from typing import Tuple
 
 import torch
 
+from depthmix.config.mixers.base import IMPLS
 from depthmix.config.schema import ConfigError
+from depthmix.config.validate import check_choice
 
 
 def triton_status() -> Tuple[bool, str]:
@@ -31,6 +33,7 @@ def triton_status() -> Tuple[bool, str]:
 
 def resolve_impl(requested: str) -> Tuple[str, str]:
     """Returns (impl, reason)."""
+    check_choice("mixer.impl", requested, IMPLS)
     usable, why = triton_status()
     if requested == "torch":
         return "torch", "requested"
@@ -42,4 +45,4 @@ def resolve_impl(requested: str) -> Tuple[str, str]:
         if usable and torch.cuda.is_available():
             return "triton", "auto: CUDA and Triton available"
         return "torch", f"auto: {why if not usable else 'no CUDA device'}"
-    raise ConfigError(f"mixer.impl={requested!r} must be one of auto, torch, triton")
+    raise AssertionError(requested)

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional
+from typing import TYPE_CHECKING, Dict, Iterable, Optional
 
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
-DepthState = Dict[str, Tensor]
+DepthState = Dict[str, "Tensor"]
+
+HIDDEN = "h"
+"""Depth-state name of the ordinary residual stream."""
 
 STEM = -1
 """Writer index of the embedding stem (before layer 0)."""

@@ -26,10 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
 from depthmix.megatron_ext.context import ForwardContext
-from depthmix.megatron_ext.depth_state import DepthState
-
-HIDDEN = "h"
-"""Depth-state name of the ordinary residual stream."""
+from depthmix.megatron_ext.depth_state import HIDDEN, DepthState
 
 
 class ResidualOp(MegatronModule):

@@ -90,7 +90,7 @@ class Shape:
 
     @classmethod
     def of(cls, run: RunConfig) -> "Shape":
-        from depthmix.config.megatron import padded_vocab_size
+        from depthmix.config.validate import padded_vocab_size
 
         m = run.model
         return cls(
@@ -106,15 +106,16 @@ class Shape:
 
 
 def _mixer(run: RunConfig):
-    from depthmix.megatron_ext.mixers import get_mixer
+    from depthmix.config.mixers import get_mixer
 
     return get_mixer(run.mixer.name if run.mixer is not None else "vanilla")
 
 
-def _megatron_config(run: RunConfig):
-    from depthmix.config.megatron import to_transformer_config
+def _plan_config(run: RunConfig):
+    """What the mixers' hooks read, without Megatron (a ``DepthMixConfig`` works too)."""
+    from depthmix.config.megatron import plan_config
 
-    return to_transformer_config(run)
+    return plan_config(run)
 
 
 def short_swa_flops_per_token(x: Shape) -> int:
@@ -137,7 +138,7 @@ def flops_per_token(run: RunConfig, config=None) -> Dict[str, float]:
     attention = 4 * x.layers * x.seq * x.heads * dh
     head = 2 * h * x.vocab
     hook = _mixer(run).extra_flops_per_token
-    mixer = float(hook(config if config is not None else _megatron_config(run)))
+    mixer = float(hook(config if config is not None else _plan_config(run)))
     swa = float(short_swa_flops_per_token(x))
     forward = linear + attention + head + mixer + swa
     return {"linear": float(linear), "attention": float(attention), "head": float(head),
@@ -268,9 +269,10 @@ def inflight_microbatches(pp: int, vp: int, pp_rank: int, num_micro: int) -> int
     return min(num_micro * vp, warmup + 1)
 
 
-def estimate(run: RunConfig, world_size: int) -> List[RankEstimate]:
+def estimate(run: RunConfig, world_size: int, config=None) -> List[RankEstimate]:
     """Per pipeline rank (all TP/DP ranks of a stage are alike): parameters, bytes for
-    weights/grads/optimizer, activation bytes at the pipeline peak."""
+    weights/grads/optimizer, activation bytes at the pipeline peak. ``config``: what the
+    mixer's hooks read (default :func:`depthmix.config.megatron.plan_config`)."""
     from depthmix.config.validate import data_parallel_size
     from depthmix.megatron_ext.layout import PipelineLayout
 
@@ -278,7 +280,7 @@ def estimate(run: RunConfig, world_size: int) -> List[RankEstimate]:
     x = Shape.of(run)
     tp, pp, vp = p.tp, p.pp, p.vp or 1
     dp = data_parallel_size(run, world_size)
-    config = _megatron_config(run)
+    config = config if config is not None else _plan_config(run)
     extra = _mixer(run).extra_params(config, tp)
     layout = PipelineLayout(x.stored_layers, pp, vp)
     per_layer = _stored_layer_params(x, tp, extra)
@@ -332,10 +334,10 @@ def _geometry(run: RunConfig, config, layout):
     return geometry_of(config, layout, run.parallel.tp)
 
 
-def total_params(run: RunConfig) -> int:
+def total_params(run: RunConfig, config=None) -> int:
     """All parameters of the model (unsharded, counted once)."""
     x = Shape.of(run)
-    extra = _mixer(run).extra_params(_megatron_config(run), 1)
+    extra = _mixer(run).extra_params(config if config is not None else _plan_config(run), 1)
     return (sum(_stored_layer_params(x, 1, extra)) + extra.stem + extra.head
             + 2 * x.vocab * x.hidden + x.hidden)
 

@@ -33,17 +33,14 @@ def world_size_of(run: RunConfig, env=os.environ) -> int:
 
 def check(run: RunConfig, world_size: int) -> None:
     """Every start-up check the trainer does before building anything."""
-    from depthmix.config.validate import validate
-    from depthmix.pretrain.launch_env import validate_launch
+    from depthmix.config.preflight import preflight
 
-    if world_size < 1:
-        raise ConfigError(f"world size {world_size} must be >= 1 (parallel.world_size)")
-    validate(run, world_size)
-    validate_launch(run, world_size)
+    preflight(run, world_size)
 
 
 def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
     from depthmix.config.load import to_container
+    from depthmix.config.megatron import plan_config
     from depthmix.config.validate import data_parallel_size
     from depthmix.pretrain import accounting as acc
 
@@ -62,7 +59,8 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
     w(f"global batch {t.global_batch_size} = micro batch {t.micro_batch_size} x "
       f"{num_micro} micro-batches x dp {dp}; {t.global_batch_size * run.model.seq_length:,} "
       "tokens per step\n")
-    estimates = acc.estimate(run, world_size)
+    config = plan_config(run)  # what the mixer's hooks read, once
+    estimates = acc.estimate(run, world_size, config)
     for e in estimates:
         parts = []
         for c in e.chunks:
@@ -79,11 +77,11 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
           f"{acc.gib(e.activation_bytes):>12} {e.inflight_microbatches:>9} "
           f"{acc.gib(e.total_bytes):>10} "
           f"{f'{e.payload_bytes / 2**20:.1f} MiB' if e.payload_bytes else '-':>18}\n")
-    total = acc.total_params(run)
+    total = acc.total_params(run, config)
     w(f"model parameters: {acc.human(total)} ({total:,}); bytes/param for weights+grads+"
       f"optimizer: {acc.bytes_per_param(run, dp):.2f} ({t.precision}"
       f"{', distributed optimizer' if p.distributed_optimizer else ''})\n")
-    flops = acc.flops_per_token(run)
+    flops = acc.flops_per_token(run, config)
     vanilla = flops["linear"] + flops["attention"] + flops["head"]
     swa = f" + short_swa {acc.human(flops['short_swa'])}" if flops["short_swa"] else ""
     extra = flops["mixer"] + flops["short_swa"]
@@ -105,4 +103,18 @@ def main(run: RunConfig, world_size: Optional[int] = None, out: TextIO = sys.std
         print(f"dry run: configuration error: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
     print(f"dry run OK for world size {world_size}", file=out, flush=True)
+    return 0
+
+
+def verdict(run: RunConfig, label: str, world_size: Optional[int] = None,
+            out: TextIO = sys.stdout) -> int:
+    """One line for one point of a multirun dry run: ``[ok] <label>`` or
+    ``[error] <label>: <what to change>``. Returns the exit status of that point."""
+    world_size = world_size_of(run) if world_size is None else world_size
+    try:
+        check(run, world_size)
+    except ConfigError as e:
+        print(f"[error] {label}: {e}", file=out, flush=True)
+        return EXIT_CONFIG_ERROR
+    print(f"[ok] {label} (world size {world_size})", file=out, flush=True)
     return 0

@@ -8,8 +8,6 @@
 * :func:`ensure_distributed_env` fills torch.distributed's ``RANK``/``WORLD_SIZE``/...
   from SLURM's variables when the tasks were started by ``srun`` or submitit directly
   (no torchrun), e.g. Hydra multirun on SLURM.
-* :func:`validate_launch` checks the options this module owns (``parallel.world_size``,
-  the checkpoint options) and raises :class:`ConfigError`.
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ import os
 import re
 import subprocess
 from typing import Mapping, Optional
-
-from depthmix.config.schema import ConfigError, RunConfig
 
 RESOLVER = "dm.run_key"
 TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"
@@ -134,27 +130,3 @@ def quiet_nonzero_rank_logging(rank: int) -> None:
             handler.close()
     root.setLevel(logging.WARNING)
     logging.getLogger("depthmix").setLevel(logging.WARNING)
-
-
-def validate_launch(run: RunConfig, world_size: int) -> None:
-    """Checks of the operational options (launch, checkpoints, logging)."""
-    from depthmix.pretrain.checkpoint import OPTIM_FORMATS
-
-    p, t, lg = run.parallel, run.train, run.logger
-    if p.world_size is not None and p.world_size != world_size:
-        raise ConfigError(f"parallel.world_size={p.world_size} but this job has {world_size} "
-                          "processes (torchrun --nnodes x --nproc-per-node, or srun tasks)")
-    if t.ckpt_optim_format not in OPTIM_FORMATS:
-        raise ConfigError(f"train.ckpt_optim_format={t.ckpt_optim_format!r} must be one of "
-                          f"{OPTIM_FORMATS}")
-    for name in ("save_interval", "keep_last", "log_interval", "eval_interval"):
-        if getattr(t, name) < 0:
-            raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 0")
-    if t.log_interval == 0:
-        raise ConfigError("train.log_interval=0 must be >= 1")
-    if t.peak_tflops is not None and t.peak_tflops <= 0:
-        raise ConfigError(f"train.peak_tflops={t.peak_tflops} must be > 0")
-    if lg.mode not in ("offline", "online", "disabled"):
-        raise ConfigError(f"logger.mode={lg.mode!r} must be offline, online or disabled")
-    if lg.depth_stats_interval < 0:
-        raise ConfigError(f"logger.depth_stats_interval={lg.depth_stats_interval} must be >= 0")

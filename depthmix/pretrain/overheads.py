@@ -51,7 +51,7 @@ def overheads(run, prefill: int = 131072, element_size: int = 2) -> Overheads:
     from depthmix.config.megatron import to_transformer_config
     from depthmix.megatron_ext.layout import PipelineLayout
     from depthmix.megatron_ext.mixers import get_mixer
-    from depthmix.megatron_ext.mixers.base import state_per_token
+    from depthmix.config.mixers.base import state_per_token
     from depthmix.megatron_ext.transport import geometry_of
     from depthmix.pretrain import accounting
 

@@ -24,8 +24,6 @@ from depthmix.config.load import resolve
 from depthmix.config.schema import ConfigError
 from depthmix.config.store import register_configs
 from depthmix.pretrain import launch_env
-from depthmix.pretrain.health import EXIT_DIVERGED, TrainingDiverged
-from depthmix.pretrain.trainer import Trainer, default_callbacks
 
 log = logging.getLogger("depthmix")
 
@@ -43,6 +41,9 @@ def hydra_main(cfg: DictConfig) -> None:
         from depthmix.pretrain import dry_run
 
         sys.exit(dry_run.main(run))
+    from depthmix.pretrain.health import EXIT_DIVERGED, TrainingDiverged
+    from depthmix.pretrain.trainer import Trainer, default_callbacks  # imports Megatron
+
     launch_env.ensure_distributed_env()  # srun/submitit tasks without torchrun
     launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
     try:
@@ -81,6 +82,9 @@ def _nonzero_rank_overrides() -> list:
 
 
 def main() -> None:
+    from depthmix.config.cli import before_hydra
+
+    before_hydra(sys.argv[1:])  # --help, bad overrides (exit 2), multirun dry runs
     register_configs()
     os.environ.setdefault("DEPTHMIX_RUN_KEY", launch_env.run_key())  # one key for all ranks
     sys.argv.extend(_nonzero_rank_overrides())

@@ -13,9 +13,8 @@ from megatron.core.distributed import finalize_model_grads
 
 from depthmix.config.megatron import to_transformer_config
 from depthmix.config.schema import RunConfig
-from depthmix.config.validate import validate
+from depthmix.config.preflight import preflight
 from depthmix.pretrain.callbacks import Callback, ConsoleLogger
-from depthmix.pretrain.checkpoint import preflight_checkpoint
 from depthmix.pretrain.health import HealthGuard
 from depthmix.pretrain.optim import build_optimizer
 from depthmix.pretrain.parallelize import build_model, init_distributed
@@ -32,12 +31,8 @@ class Trainer:
         ``valid_iterator()``), or a builder with ``build_data``'s signature
         ``(run, dp_rank, dp_size, consumed_train_samples)``, called after callbacks have
         restored a checkpoint's data position."""
-        from depthmix.pretrain.launch_env import validate_launch
-
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        validate(run, world_size)  # before any process group or model exists
-        validate_launch(run, world_size)
-        preflight_checkpoint(run)  # a mismatched checkpoint is refused before any model exists
+        preflight(run, world_size)  # before any process group or model exists
         self.run = run
         self.health = HealthGuard(run.train)
         self.topo = init_distributed(run)

@@ -5,6 +5,7 @@ from hydra.errors import MissingConfigException
 
 from depthmix.config.load import compose_run
 from depthmix.config.schema import ConfigError
+from depthmix.config.preflight import preflight
 from depthmix.config.validate import validate
 
 
@@ -45,7 +46,7 @@ def test_default_config_is_valid():
 )
 def test_bad_config_names_the_option(overrides, world, option):
     with pytest.raises(ConfigError) as info:
-        validate(compose_run(*overrides), world_size=world)
+        preflight(compose_run(*overrides), world_size=world)
     assert option in str(info.value)
 
 

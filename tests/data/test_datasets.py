@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 
+from depthmix.config.preflight import preflight
 from depthmix.config.schema import ConfigError
 from depthmix.data import build_data
 from depthmix.data.corpus import iter_documents
@@ -150,50 +151,62 @@ def test_blends(data_cache, make_run, embedded, two_prefixes):
 
 
 def test_config_errors(tmp_path, data_cache, make_run, embedded, two_prefixes):
+    """Refused at start-up (the preflight the trainer runs before build_data)."""
     run = make_run(data_cache)
     run.data.name, run.data.tokenizer = "pile", embedded.tokenizer
     run.data.prefixes = [str(tmp_path / "missing")]
     with pytest.raises(ConfigError, match=r"data\.prefixes\[0\]=.*missing: missing\.bin and "
                                           r"missing\.idx not found"):
         build_data(run, 0, 1)
+    with pytest.raises(ConfigError, match=r"data\.prefixes: .*missing\.bin/\.idx not found"):
+        preflight(run, 1)
 
     run.data.prefixes = [two_prefixes[0]]
     run.data.tokenizer = str(tmp_path / "nope.json")
     with pytest.raises(ConfigError, match=r"data\.tokenizer=.*nope\.json not found"):
-        build_data(run, 0, 1)
+        preflight(run, 1)
     run.data.tokenizer = None
     with pytest.raises(ConfigError, match=r"data\.tokenizer"):
-        build_data(run, 0, 1)
+        preflight(run, 1)
 
     big = tmp_path / "big.json"
     train_bpe_tokenizer(iter_documents(300), 700, str(big))
     run.data.tokenizer = str(big)
     with pytest.raises(ConfigError, match=r"data\.tokenizer=.*more than model\.vocab_size=512"):
-        build_data(run, 0, 1)
+        preflight(run, 1)
 
     run.data.tokenizer = embedded.tokenizer
     for bad in ([0.5, two_prefixes[0], two_prefixes[1]], [two_prefixes[0], 0.5],
                 [-1, two_prefixes[0]]):
         run.data.prefixes = bad
         with pytest.raises(ConfigError, match=r"data\.prefixes"):
-            build_data(run, 0, 1)
+            preflight(run, 1)
     run.data.prefixes = [two_prefixes[0]]
     for split in ("0,1,0", "a,b", "99.9,0.1"):  # no train / unparsable / empty valid split
         run.data.split = split
         with pytest.raises(ConfigError, match=r"data\.split"):
-            build_data(run, 0, 1)
+            preflight(run, 1)
     run.data.split = "90,10,0"
     with pytest.raises(ConfigError, match=r"train\.global_batch_size"):
-        build_data(run, 0, 3)
+        preflight(run, 3)
 
     emb = make_run(data_cache)
     emb.model.vocab_size = 256
     with pytest.raises(ConfigError, match=r"data\.embedded_vocab_size=512 .*model\.vocab_size"):
-        build_data(emb, 0, 1)
+        preflight(emb, 1)
     emb = make_run(data_cache)
     emb.data.name = "pile"
     with pytest.raises(ConfigError, match=r"data\.prefixes"):
-        build_data(emb, 0, 1)
+        preflight(emb, 1)
+
+
+def test_preflight_reads_the_document_count_megatron_reads(two_prefixes):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from depthmix.config.preflight import sequence_count
+
+    for prefix in two_prefixes:
+        assert sequence_count(prefix) == len(IndexedDataset(prefix, mmap=True).sequence_lengths)
 
 
 def test_cache_is_reused(data_cache, make_run, embedded):

@@ -72,12 +72,12 @@ def test_wrong_world_size_is_refused(no_model_no_process_group, capsys, world, m
 
 def test_parallel_world_size_must_match_the_launch():
     from depthmix.config.schema import ConfigError
-    from depthmix.pretrain.launch_env import validate_launch
+    from depthmix.config.validate import validate
 
-    run = compose_run("parallel.world_size=8")
-    validate_launch(run, 8)
+    run = compose_run("parallel.world_size=8", "train.micro_batch_size=2")
+    validate(run, 8)
     with pytest.raises(ConfigError, match="parallel.world_size=8 but this job has 4"):
-        validate_launch(run, 4)
+        validate(run, 4)
 
 
 @pytest.mark.slow

@@ -32,8 +32,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-MIX_RULES = ("softmax", "uniform")
-MIXED_STATES = ("value", "key", "key_value")
+from depthmix.config.mixers.depth_attn import MIX_RULES, MIXED_STATES  # noqa: F401  (re-exported)
+
 
 Sources = Union[Tensor, Sequence[Tensor], None]
 

@@ -25,17 +25,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-VARIANTS = ("mhc", "hc", "identity")
+from depthmix.config.mixers.mhc import VARIANTS, coefficient_width  # noqa: F401  (re-exported)
 
 
 def _acc(t: Tensor) -> Tensor:
     """At least fp32 (fp64 stays fp64)."""
     return t if t.dtype == torch.float64 else t.float()
-
-
-def coefficient_width(variant: str, n: int) -> int:
-    """Number of coefficient logits ``m`` per token: ``2n + n^2`` (``2n`` for identity)."""
-    return 2 * n if variant == "identity" else 2 * n + n * n
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:

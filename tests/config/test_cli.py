@@ -1,0 +1,221 @@
+"""``depthmix-train``'s command line: bad options exit 2 before a model is built, naming the
+option; ``--help``; multirun dry runs; no Megatron import for help and dry runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from depthmix.config import cli, schema
+from depthmix.config.mixers import available, get_mixer
+from depthmix.config.validate import CHOICES, FREE_TEXT, SYNTAX
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GROUP_CLASSES = {"model": schema.ModelConfig, "parallel": schema.ParallelConfig,
+                 "data": schema.DataConfig, "train": schema.TrainConfig,
+                 "logger": schema.LoggerConfig, "": schema.RunConfig}
+
+
+def _is_str(cls, f) -> bool:
+    hint = typing.get_type_hints(cls)[f.name]
+    return hint is str or hint == typing.Optional[str]
+
+
+def _typo(value: str) -> str:
+    return value[:-1] + ("q" if value[-1] != "q" else "z")
+
+
+def string_option_typos() -> list:
+    """(overrides, option, closest value) for every string option with a set of allowed
+    values, generated from the dataclasses (a new string option is covered automatically)."""
+    cases = []
+    for group, cls in GROUP_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            option = f"{group}.{f.name}" if group else f.name
+            if _is_str(cls, f) and option in CHOICES:
+                good = CHOICES[option][0]
+                cases.append(([f"{option}={_typo(good)}"], option, good))
+    seen = set()
+    for name in available():
+        cls = get_mixer(name).config_cls
+        for option, allowed in cls.CHOICES.items():
+            if option not in seen:
+                seen.add(option)
+                cases.append(([f"mixer={name}", f"mixer.{option}={_typo(allowed[0])}"],
+                              f"mixer.{option}", allowed[0]))
+    return cases
+
+
+def test_every_string_option_is_classified():
+    """A string option either has allowed values (then a typo is tested below), takes any
+    text (a name or a path), or has its own syntax check."""
+    unclassified = []
+    for group, cls in GROUP_CLASSES.items():
+        for f in dataclasses.fields(cls):
+            option = f"{group}.{f.name}" if group else f.name
+            if _is_str(cls, f) and option not in {*CHOICES, *FREE_TEXT, *SYNTAX}:
+                unclassified.append(option)
+    for name in available():
+        cls = get_mixer(name).config_cls
+        for f in dataclasses.fields(cls):
+            if _is_str(cls, f) and f.name != "name" and f.name not in cls.CHOICES:
+                unclassified.append(f"mixer.{f.name} (mixer={name})")
+    assert not unclassified, ("string options without allowed values: add them to "
+                              f"depthmix.config.validate.CHOICES (or FREE_TEXT): {unclassified}")
+
+
+HYDRA_LEVEL = [  # refused before Hydra runs: the same for a dry run and a training run
+    (["mixer=depth_atn"], "mixer=depth_atn", "depth_attn"),
+    (["train.lrr=1"], "train.lrr", "train.lr"),
+    (["mixer=depth_attn", "mixer.strid=3"], "mixer.strid", "mixer.stride"),
+    (["train.lr=[1"], "cannot parse the overrides", None),
+]
+BAD_VALUES = [  # refused by the preflight the dry run and the trainer share
+    (["train.lr=-1"], "train.lr=-1", None),
+    (["train.lr_decay_style=cosinus"], "train.lr_decay_style='cosinus'", "cosine"),
+    (["data.split=abc"], "data.split='abc'", None),
+    (["data.split='0,2,0'"], "data.split='0,2,0'", None),
+    *string_option_typos(),
+]
+BAD_OPTIONS = [*((*case, "dry_run") for case in HYDRA_LEVEL),
+               *((*case, path) for case in BAD_VALUES for path in ("dry_run", "trainer"))]
+
+
+@pytest.fixture
+def no_model(monkeypatch, tmp_path):
+    """In-process ``depthmix-train``: building a process group or a model fails the test."""
+    from depthmix.pretrain import trainer
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a bad option must be refused before anything is built")
+
+    monkeypatch.setattr(trainer, "init_distributed", forbidden)
+    monkeypatch.setattr(trainer, "build_model", forbidden)
+    monkeypatch.setenv("DEPTHMIX_RUN_KEY", "test")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def run_main(monkeypatch, args) -> int:
+    from depthmix.pretrain.train import main
+
+    monkeypatch.setattr(sys, "argv", ["depthmix-train", "logger=none", *args])
+    with pytest.raises(SystemExit) as info:
+        main()
+    return info.value.code
+
+
+@pytest.mark.parametrize("overrides, option, suggestion, path", BAD_OPTIONS,
+                         ids=[f"{' '.join(c[0])}-{c[3]}" for c in BAD_OPTIONS])
+def test_bad_option_exits_2_naming_it(no_model, monkeypatch, capsys, overrides, option,
+                                      suggestion, path):
+    extra = ["train.dry_run=true"] if path == "dry_run" else []
+    assert run_main(monkeypatch, [*overrides, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and option in err[0], err
+    if suggestion:
+        assert f"did you mean '{suggestion}'" in err[0], err
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(
+        reason="Block AttnRes' default block_size=12 does not divide the tiny model's 8 "
+               "sublayers; the lead adds a num_blocks option", strict=True))
+    if n == "attnres_block" else n for n in available()])
+def test_every_shipped_mixer_starts_with_the_defaults(tmp_path, name):
+    from depthmix.config.load import compose_run
+    from depthmix.config.preflight import preflight
+
+    run = compose_run(f"mixer={name}", f"output_dir={tmp_path}")
+    preflight(run, world_size=1)
+
+
+def test_help_lists_real_choices_and_describes_every_option():
+    text = cli.help_text()
+    assert "_schema" not in text and "powered by Hydra" not in text
+    assert text.startswith("depthmix-train")
+    assert "(undocumented)" not in text, [l for l in text.splitlines() if "undocumented" in l]
+    assert "mixer: attnres_block, attnres_full, ddl, denseformer, depth_attn, mhc, moda, " \
+           "vanilla*" in text
+    for name in available():
+        for f in dataclasses.fields(get_mixer(name).config_cls):
+            if f.name != "name":
+                assert f"  mixer.{f.name}: " in text, f.name
+    assert "did you mean" not in text
+
+
+# ------------------------------------------------------------------------ real processes
+PROBE = """
+import json, sys
+from depthmix.pretrain.train import main
+sys.argv = ["depthmix-train", *sys.argv[1:]]
+try:
+    main()
+    code = 0
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "megatron": any(m.split(".")[0] == "megatron"
+                  for m in sys.modules), "torch": "torch" in sys.modules}))
+"""
+
+
+def depthmix_train(tmp_path, *args, probe=False) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", DEPTHMIX_RUN_KEY="test")
+    env.pop("WORLD_SIZE", None)
+    cmd = ([sys.executable, "-c", PROBE] if probe
+           else [sys.executable, "-m", "depthmix.pretrain.train"])
+    return subprocess.run([*cmd, *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)
+
+
+def probe(proc) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_help_dry_run_and_preprocess_do_not_import_megatron(tmp_path):
+    helped = depthmix_train(tmp_path, "--help", probe=True)
+    assert probe(helped) == {"code": 0, "megatron": False, "torch": False}, helped.stderr
+    assert "mixer=depth_attn options:" in helped.stdout and "_schema" not in helped.stdout
+
+    env = dict(os.environ, PYTHONPATH=REPO)
+    preprocess = subprocess.run(
+        [sys.executable, "-c", "import sys; from depthmix.data.preprocess import main\n"
+         "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+         "print('megatron' in sys.modules)"], env=env, capture_output=True, text=True,
+        timeout=120)
+    assert preprocess.stdout.strip().splitlines()[-1] == "False", preprocess.stderr
+
+    planned = depthmix_train(tmp_path, "model=3b", "parallel=tp2_pp4", "train=paper",
+                             "train.dry_run=true", "parallel.world_size=64", probe=True)
+    assert "dry run OK for world size 64" in planned.stdout, planned.stderr[-2000:]
+    result = probe(planned)
+    assert result["code"] == 0 and not result["megatron"], result
+
+
+@pytest.mark.parametrize("override, names", [
+    ("mixer=depth_atn", "did you mean 'depth_attn'"),
+    ("train.lrr=1", "did you mean 'train.lr'"),
+])
+def test_hydra_level_errors_exit_2(tmp_path, override, names):
+    proc = depthmix_train(tmp_path, override)  # a training run, not a dry run
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert line.startswith("configuration error: ") and names in line
+
+
+def test_multirun_dry_run_checks_every_point(tmp_path):
+    proc = depthmix_train(tmp_path, "-m", "mixer=attnres_block", "mixer.block_size=4,8,12",
+                          "train.dry_run=true")
+    verdicts = [l for l in proc.stdout.splitlines() if l.startswith("[")]
+    assert verdicts[:2] == ["[ok] mixer.block_size=4 (world size 1)",
+                            "[ok] mixer.block_size=8 (world size 1)"], proc.stdout
+    assert verdicts[2].startswith("[error] mixer.block_size=12: mixer.block_size=12 must "
+                                  "divide"), proc.stdout
+    assert len(verdicts) == 3 and proc.returncode == 2
+    assert not os.path.exists(tmp_path / "multirun"), "a dry run launches no jobs"
