@@ -123,11 +123,7 @@ def test_bad_option_exits_2_naming_it(no_model, monkeypatch, capsys, overrides, 
         assert f"did you mean '{suggestion}'" in err[0], err
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(
-        reason="Block AttnRes' default block_size=12 does not divide the tiny model's 8 "
-               "sublayers; the lead adds a num_blocks option", strict=True))
-    if n == "attnres_block" else n for n in available()])
+@pytest.mark.parametrize("name", available())
 def test_every_shipped_mixer_starts_with_the_defaults(tmp_path, name):
     from depthmix.config.load import compose_run
     from depthmix.config.preflight import preflight
@@ -215,7 +211,7 @@ def test_multirun_dry_run_checks_every_point(tmp_path):
     verdicts = [l for l in proc.stdout.splitlines() if l.startswith("[")]
     assert verdicts[:2] == ["[ok] mixer.block_size=4 (world size 1)",
                             "[ok] mixer.block_size=8 (world size 1)"], proc.stdout
-    assert verdicts[2].startswith("[error] mixer.block_size=12: mixer.block_size=12 must "
-                                  "divide"), proc.stdout
+    assert verdicts[2].startswith("[error] mixer.block_size=12: mixer.block_size=12 is "
+                                  "larger than the number of sublayers"), proc.stdout
     assert len(verdicts) == 3 and proc.returncode == 2
     assert not os.path.exists(tmp_path / "multirun"), "a dry run launches no jobs"
