@@ -24,6 +24,7 @@ from typing import Mapping, Optional
 from depthmix.config.schema import ConfigError, RunConfig
 
 RESOLVER = "dm.run_key"
+NAMED = "dm.named"
 TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"
 
 
@@ -62,13 +63,25 @@ def run_key(env: Mapping[str, str] = os.environ) -> str:
     return f"local/{_stamp()}"
 
 
+def named_dir(root: str, name: Optional[str], unnamed: str) -> str:
+    """``${dm.named:outputs,${run.name},<unnamed>}``: ``outputs/<run.name>`` when the run
+    has a name (the same directory every time: re-running resumes), else
+    ``outputs/<unnamed>`` (the run key's fresh directory)."""
+    if name is not None and str(name).strip("/ "):
+        return f"{root}/{str(name).strip('/ ')}"
+    return f"{root}/{unnamed}"
+
+
 def register_resolvers() -> None:
-    """``${dm.run_key:}`` for ``configs/config.yaml``. Cached, so a Hydra sweep computes it
-    once on the submitting side and its jobs (submitit pickles the cache) reuse it."""
+    """``${dm.run_key:}`` and ``${dm.named:...}`` for ``configs/config.yaml``. The run key
+    is cached, so a Hydra sweep computes it once on the submitting side and its jobs
+    (submitit pickles the cache) reuse it."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, lambda: run_key(), use_cache=True)
+    if not OmegaConf.has_resolver(NAMED):
+        OmegaConf.register_new_resolver(NAMED, named_dir)
 
 
 def launcher_rank(env: Mapping[str, str] = os.environ) -> int:
@@ -154,6 +167,11 @@ def validate_launch(run: RunConfig, world_size: int) -> None:
         raise ConfigError("train.log_interval=0 must be >= 1")
     if t.peak_tflops is not None and t.peak_tflops <= 0:
         raise ConfigError(f"train.peak_tflops={t.peak_tflops} must be > 0")
+    if t.profile_steps is not None:
+        steps = list(t.profile_steps)
+        if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
+            raise ConfigError(f"train.profile_steps={steps} must be [first, last] with "
+                              "1 <= first <= last")
     if lg.mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.mode={lg.mode!r} must be offline, online or disabled")
     if lg.depth_stats_interval < 0:

@@ -16,8 +16,12 @@ import logging
 import os
 import sys
 
-import hydra
-from omegaconf import DictConfig
+from depthmix.pretrain import run_log
+
+run_log.startup_warnings.start()  # before anything imports Megatron; reported at pre_train
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from depthmix.config.load import resolve
 from depthmix.config.schema import ConfigError
@@ -43,6 +47,7 @@ def hydra_main(cfg: DictConfig) -> None:
         sys.exit(dry_run.main(run))
     launch_env.ensure_distributed_env()  # srun/submitit tasks without torchrun
     launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
+    run_log.quiet_libraries(run.train.verbose)
     try:
         trainer = Trainer(run, callbacks=default_callbacks(run))
     except ConfigError as e:
@@ -54,10 +59,7 @@ def hydra_main(cfg: DictConfig) -> None:
         trainer.on_error(exc)
         raise
     finally:
-        trainer.close()
-    if trainer.stop_reason:
-        log.info("stopped at step %d: %s (exit 0; resume by re-running)", trainer.step,
-                 trainer.stop_reason)
+        trainer.close()  # the closing summary (callbacks.RunSummary) says how to resume
 
 
 def _nonzero_rank_overrides() -> list:
@@ -65,7 +67,7 @@ def _nonzero_rank_overrides() -> list:
     shows warnings and errors only (:func:`launch_env.quiet_nonzero_rank_logging`)."""
     if launch_env.launcher_rank() == 0:
         return []
-    return ["hydra.output_subdir=null", "hydra/hydra_logging=none", "hydra/job_logging=stdout"]
+    return ["hydra.output_subdir=null", "hydra/hydra_logging=none", "hydra/job_logging=console"]
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from typing import Optional
 from depthmix.config.schema import ConfigError
 from depthmix.pretrain import checkpoint as ckpt
 from depthmix.pretrain.callbacks.base import Callback
+from depthmix.pretrain.run_log import say
 
 log = logging.getLogger("depthmix")
 
@@ -52,16 +53,14 @@ class CheckpointCallback(Callback):
         if load_optimizer:
             self.last_saved_step = trainer.step
         if trainer.topo.is_logging_rank:
-            print(f"resumed from {path} at step {meta['step']}"
-                  + ("" if load_optimizer else " (weights only)"), flush=True)
+            say(f"resumed from {path} at step {meta['step']}"
+                + ("" if load_optimizer else " (weights only)"))
 
     def save(self, trainer) -> None:
         if self.last_saved_step == trainer.step:
             return
-        ckpt.save(trainer, trainer.save_dir, keep_last=trainer.run.train.keep_last)
+        ckpt.save(trainer, trainer.save_dir, keep_last=trainer.run.train.keep_last)  # logs it
         self.last_saved_step = trainer.step
-        if trainer.topo.is_logging_rank:
-            print(f"saved checkpoint {ckpt.step_dir(trainer.save_dir, trainer.step)}", flush=True)
 
     def post_step(self, trainer, result) -> None:
         interval = trainer.run.train.save_interval

@@ -26,6 +26,7 @@ import secrets
 import string
 
 from depthmix.pretrain.callbacks.base import Callback
+from depthmix.pretrain.run_log import say
 
 log = logging.getLogger("depthmix")
 
@@ -49,6 +50,13 @@ def default_name(run) -> str:
     if job == f"{run.model.name}_{run.mixer.name}":
         job = os.path.basename(os.path.dirname(path))
     return f"{run.model.name}-{run.mixer.name}-{job}"
+
+
+def _settings(wandb, verbose: bool):
+    """No console capture; only errors printed unless ``train.verbose=true``."""
+    if verbose:
+        return wandb.Settings(console="off")
+    return wandb.Settings(console="off", quiet=True, show_info=False, show_warnings=False)
 
 
 class WandbLogger(Callback):
@@ -103,9 +111,10 @@ class WandbLogger(Callback):
         self.run = wandb.init(
             project=lg.project, entity=lg.entity, name=lg.name or default_name(run),
             dir=directory, mode=lg.mode, id=run_id, resume="allow", config=config,
-            tags=list(lg.tags) or None, settings=wandb.Settings(console="off"),
+            tags=list(lg.tags) or None, settings=_settings(wandb, trainer.run.train.verbose),
         )
-        print(f"W&B run {run_id} ({lg.mode}) in {self.run.dir}", flush=True)
+        trainer.wandb_dir = os.path.dirname(self.run.dir)  # .../offline-run-<time>-<id>
+        say(f"W&B run {run_id} ({lg.mode}): {trainer.wandb_dir}")
 
     # ---- events -------------------------------------------------------------------------
     def post_step(self, trainer, result) -> None:
