@@ -71,6 +71,12 @@ def say(text: str) -> None:
         print(text, flush=True)
 
 
+def short_path(path: str) -> str:
+    """Relative to the working directory when below it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def quiet_libraries(verbose: bool) -> None:
     """Library INFO output (Megatron's DDP/optimizer/dataset config dumps, "Params for
     bucket" lists) only with ``train.verbose=true``; W&B prints errors only."""

@@ -25,6 +25,7 @@ MEMORY_HISTORY_ENTRIES = 100_000
 class ProfilerCallback(Callback):
     def __init__(self):
         self.profiler: Optional[torch.profiler.profile] = None
+        self._step_range = None
         self.memory = False
 
     def _range(self, trainer):
@@ -51,10 +52,21 @@ class ProfilerCallback(Callback):
         self.profiler = torch.profiler.profile(activities=activities, record_shapes=True,
                                                profile_memory=True, with_stack=False)
         self.profiler.__enter__()
+        self._mark(trainer.step + 1)
+
+    def _mark(self, step: Optional[int]) -> None:
+        """A ``depthmix step <n>`` range around each profiled step in the trace."""
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        if step is not None:
+            self._step_range = torch.profiler.record_function(f"depthmix step {step}")
+            self._step_range.__enter__()
 
     def _stop(self, trainer) -> None:
         if self.profiler is None:
             return
+        self._mark(None)
         self.profiler.__exit__(None, None, None)
         trace = self._stem(trainer, "trace", "json")
         self.profiler.export_chrome_trace(trace)
@@ -75,9 +87,10 @@ class ProfilerCallback(Callback):
 
     def post_step(self, trainer, result) -> None:
         if self.profiler is not None:
-            self.profiler.step()
             if trainer.step >= self._range(trainer)[1]:
                 self._stop(trainer)
+            else:
+                self._mark(trainer.step + 1)
         self._maybe_start(trainer)
 
     def post_train(self, trainer) -> None:

@@ -18,7 +18,7 @@ import time
 from typing import List, Mapping, Optional, Sequence
 
 from depthmix.pretrain.callbacks.base import Callback
-from depthmix.pretrain.run_log import say
+from depthmix.pretrain.run_log import say, short_path
 
 # added by depthmix-train itself on ranks other than 0, never typed by the user
 _INTERNAL = ("hydra.output_subdir=", "hydra/hydra_logging=", "hydra/job_logging=")
@@ -38,12 +38,6 @@ def _wall(seconds: float) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h} h {m} min" if h else f"{m} min {s} s" if m else f"{s} s"
-
-
-def _short(path: str) -> str:
-    """Relative to the working directory when below it."""
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
 
 
 def launch_command(argv: Sequence[str] = sys.argv, env: Mapping[str, str] = os.environ,
@@ -145,16 +139,16 @@ class RunSummary(Callback):
         if self.eval_loss is not None:
             head += f" | eval loss {self.eval_loss:.4f}"
         head += f" | wall {_wall(time.time() - self.started)}"
-        out = _short(run.output_dir)
+        out = short_path(run.output_dir)
         contents = [n for n in ("train.log", "checkpoints", "wandb", "depth_stats", "profile")
                     if os.path.exists(os.path.join(run.output_dir, n))]
         lines = [head, f"outputs: {out}" + (f" ({', '.join(contents)})" if contents else "")]
         save_dir = getattr(trainer, "save_dir", None)
         last = ckpt.latest_checkpoint(save_dir) if save_dir else None
-        lines.append(f"last checkpoint: {_short(last) if last else 'none'}")
+        lines.append(f"last checkpoint: {short_path(last) if last else 'none'}")
         wandb_dir = getattr(trainer, "wandb_dir", None)
         if wandb_dir and run.logger.mode == "offline":
-            lines.append(f"W&B (offline): wandb sync {wandb_dir}")
+            lines.append(f"W&B (offline): wandb sync {short_path(wandb_dir)}")
         if trainer.step < t.steps or self.error is not None:
             multirun = _is_multirun()
             if os.environ.get("SLURM_JOB_ID"):

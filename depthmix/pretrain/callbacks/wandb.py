@@ -26,7 +26,7 @@ import secrets
 import string
 
 from depthmix.pretrain.callbacks.base import Callback
-from depthmix.pretrain.run_log import say
+from depthmix.pretrain.run_log import say, short_path
 
 log = logging.getLogger("depthmix")
 
@@ -114,7 +114,7 @@ class WandbLogger(Callback):
             tags=list(lg.tags) or None, settings=_settings(wandb, trainer.run.train.verbose),
         )
         trainer.wandb_dir = os.path.dirname(self.run.dir)  # .../offline-run-<time>-<id>
-        say(f"W&B run {run_id} ({lg.mode}): {trainer.wandb_dir}")
+        say(f"W&B run {run_id} ({lg.mode}): {short_path(trainer.wandb_dir)}")
 
     # ---- events -------------------------------------------------------------------------
     def post_step(self, trainer, result) -> None:
