@@ -79,12 +79,12 @@ def short_path(path: str) -> str:
 
 def quiet_libraries(verbose: bool) -> None:
     """Library INFO output (Megatron's DDP/optimizer/dataset config dumps, "Params for
-    bucket" lists) only with ``train.verbose=true``; W&B prints errors only."""
+    bucket" lists) only with ``train.verbose=true``. (W&B: ``callbacks.wandb`` asks it for
+    errors only; ``WANDB_SILENT`` would hide those too.)"""
     if verbose:
         return
     for name in LIBRARY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    os.environ.setdefault("WANDB_SILENT", "true")
 
 
 class LibraryWarnings:

@@ -53,7 +53,8 @@ def default_name(run) -> str:
 
 
 def _settings(wandb, verbose: bool):
-    """No console capture; only errors printed unless ``train.verbose=true``."""
+    """No console capture; W&B prints only its errors unless ``train.verbose=true``
+    (``silent`` / ``WANDB_SILENT`` would hide the errors too)."""
     if verbose:
         return wandb.Settings(console="off")
     return wandb.Settings(console="off", quiet=True, show_info=False, show_warnings=False)
@@ -108,10 +109,12 @@ class WandbLogger(Callback):
         config["resumed_from"] = getattr(trainer, "resumed_from", None)
         directory = lg.dir or run.output_dir
         os.makedirs(directory, exist_ok=True)
+        settings = _settings(wandb, run.train.verbose)
+        wandb.setup(settings=settings)  # its console output is configured here, not in init
         self.run = wandb.init(
             project=lg.project, entity=lg.entity, name=lg.name or default_name(run),
             dir=directory, mode=lg.mode, id=run_id, resume="allow", config=config,
-            tags=list(lg.tags) or None, settings=_settings(wandb, trainer.run.train.verbose),
+            tags=list(lg.tags) or None, settings=settings,
         )
         trainer.wandb_dir = os.path.dirname(self.run.dir)  # .../offline-run-<time>-<id>
         say(f"W&B run {run_id} ({lg.mode}): {short_path(trainer.wandb_dir)}")
