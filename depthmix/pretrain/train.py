@@ -2,7 +2,8 @@
 
     depthmix-train model=tiny mixer=depth_attn
     torchrun --nproc-per-node 8 -m depthmix.pretrain.train model=3b mixer=moda parallel=tp2_pp4
-    depthmix-train -m mixer=depth_attn mixer.stride=6,12,24
+    depthmix-train -m model=500m mixer=depth_attn mixer.stride=6,12,24
+    depthmix-train model=tiny run.name=first     # outputs/first; the same command resumes
     depthmix-train model=3b parallel=tp2_pp4 train.dry_run=true parallel.world_size=64
 
 Exit status: 0 when training finished *or* was stopped by a preemption signal after

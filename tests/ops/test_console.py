@@ -178,3 +178,44 @@ def test_profiler_writes_a_chrome_trace(megatron_single, tmp_path):
         run.train.profile_steps = bad
         with pytest.raises(ConfigError, match="train.profile_steps"):
             validate_launch(run, 1)
+
+
+def test_closing_summary_says_how_the_run_ended(tmp_path, monkeypatch):
+    import types
+
+    from depthmix.pretrain.callbacks import RunSummary
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    out = tmp_path / "outputs" / "local" / "t0" / "tiny_vanilla"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "train.log").write_text("")
+    run = types.SimpleNamespace(output_dir=str(out), train=types.SimpleNamespace(steps=10),
+                                logger=types.SimpleNamespace(mode="disabled"))
+    trainer = types.SimpleNamespace(run=run, step=4, stop_reason=None, save_dir=str(out / "x"),
+                                    last=types.SimpleNamespace(loss=2.5),
+                                    topo=types.SimpleNamespace(is_logging_rank=True))
+
+    def lines(error=None, **state):
+        summary = RunSummary()
+        summary.post_eval(trainer, types.SimpleNamespace(loss=2.75))
+        for key, value in state.items():
+            setattr(trainer, key, value)
+        if error is not None:
+            summary.on_error(trainer, error)
+        return summary.lines(trainer)
+
+    stopped = lines()
+    assert stopped[0].startswith("run stopped (train.exit_after_steps) at step 4/10 | train loss "
+                                 "2.5000 | eval loss 2.7500 | wall ")
+    assert stopped[1:3] == ["outputs: outputs/local/t0/tiny_vanilla (train.log, checkpoints)",
+                            "last checkpoint: none"]
+    assert stopped[3].startswith("resume: ") and stopped[3].endswith(
+        " run.name=local/t0/tiny_vanilla")
+    assert lines(stop_reason="preempted (SIGTERM)")[0].startswith("run preempted (SIGTERM) at")
+    failed = lines(error=RuntimeError("CUDA out of memory\nmore"))
+    assert failed[0].startswith("run stopped on error (RuntimeError: CUDA out of memory) at")
+    assert failed[-1].startswith("resume: ")
+    finished = lines(step=10, stop_reason=None)
+    assert finished[0].startswith("run finished at step 10/10")
+    assert not [line for line in finished if line.startswith("resume:")]
