@@ -1,6 +1,7 @@
 """What the process learns from its launcher (torchrun, srun, submitit) before training.
 
-* :func:`run_key` names the output directory so that every rank of one job agrees on it
+* ``run.name`` fixes the output directory (``outputs/<name>``, :func:`named_dir`); without
+  it :func:`run_key` names the output directory so that every rank of one job agrees on it
   (and a requeued SLURM job finds its own checkpoints again): ``$DEPTHMIX_RUN_KEY`` if set
   (the ``launch/`` scripts set it), ``slurm-<job id>[.<step id>]`` under SLURM,
   ``torchrun-<rdzv id>`` for a multi-node torchrun, else ``local/<time>`` where the time

@@ -119,7 +119,8 @@ def test_resume_command_names_the_directory(tmp_path):
     cmd = ["depthmix-train", "model=tiny"]
     assert resume_command(out, cmd, cwd=cwd) == \
         "depthmix-train model=tiny run.name=local/2026-11-24_01-10-03/tiny_vanilla"
-    assert resume_command(out, [*cmd, "run.name=x"], cwd=cwd) == "depthmix-train model=tiny run.name=x"
+    assert resume_command(out, [*cmd, "run.name=x"], cwd=cwd) == \
+        "depthmix-train model=tiny run.name=x"
     assert resume_command("/scratch/run 1", cmd, cwd=cwd) == \
         "depthmix-train model=tiny 'hydra.run.dir=/scratch/run 1'"
     sweep_job = os.path.join(cwd, "multirun", "local", "2026-11-24_01-10-03", "0_train.lr=0.001")

@@ -156,7 +156,8 @@ class RunSummary(Callback):
                              f"{directory_option(run.output_dir, multirun)} to its training "
                              "arguments")
             else:
-                lines.append(f"resume: {resume_command(run.output_dir, launch_command(), multirun)}")
+                command = resume_command(run.output_dir, launch_command(), multirun)
+                lines.append(f"resume: {command}")
         return lines
 
     def close(self, trainer) -> None:
