@@ -1,10 +1,11 @@
 #!/bin/bash
 # Single-node training with torchrun (no SLURM):
-#   launch/local.sh model=360m mixer=depth_attn parallel=tp2        # one rank per GPU
+#   launch/local.sh model=500m mixer=depth_attn parallel=tp2 train=paper   # one rank per GPU
 #   NPROC_PER_NODE=2 launch/local.sh model=tiny parallel=tp2        # CPU (gloo) works too
-# Arguments are depthmix-train (Hydra) overrides. Output: outputs/local/<start time>/...;
-# to resume, rerun with the same DEPTHMIX_RUN_KEY (printed below) or with
-# train.load_dir=<that directory>/checkpoints.
+# Arguments are depthmix-train (Hydra) overrides. Output: outputs/local/<start time>/...,
+# or outputs/<name> with run.name=<name>. To resume, rerun with run.name=local/<start
+# time>/<model>_<mixer> (the run's closing summary prints the whole command), or with the
+# same DEPTHMIX_RUN_KEY (printed below).
 #
 # Signals: SIGTERM (kill <pid of this script>), SIGHUP and Ctrl-C make every rank finish its
 # step or eval batch, save and exit; the status is then 0. A second Ctrl-C aborts at once

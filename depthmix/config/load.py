@@ -58,7 +58,9 @@ def resolve(cfg: DictConfig) -> RunConfig:
     mixer_cfg.impl, reason = resolve_impl(requested)
     if requested != mixer_cfg.impl or requested == "auto":
         log.info("mixer.impl=%s -> %s (%s)", requested, mixer_cfg.impl, reason)
-    return RunConfig(mixer=mixer_cfg, output_dir=cfg.get("output_dir", "."), **groups)
+    name = (cfg.get("run") or {}).get("name")
+    return RunConfig(mixer=mixer_cfg, output_dir=cfg.get("output_dir", "."),
+                     name=None if name is None else str(name), **groups)
 
 
 def compose_run(*overrides: str, config_name: str = "config") -> RunConfig:

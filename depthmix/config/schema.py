@@ -205,6 +205,13 @@ class TrainConfig:
     peak_tflops: Optional[float] = None
     """Per-device peak dense TFLOP/s for MFU; None = look the device up in a table
     (``depthmix.pretrain.accounting.PEAK_TFLOPS``); no MFU when unknown (e.g. CPU)."""
+    verbose: bool = False
+    """Show what the libraries print at start-up: every Megatron-Core / Apex / Transformer
+    Engine warning, Megatron's config dumps and bucket lists, W&B's messages. Default: one
+    summary line for the warnings, the rest only at debug level."""
+    profile_steps: Optional[list[int]] = None
+    """``[first, last]``: record a torch profiler trace of these steps (inclusive) into
+    ``<output_dir>/profile/`` (Chrome trace JSON per rank; on CUDA also a memory snapshot)."""
 
 
 @dataclass
@@ -242,6 +249,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: str = "."
+    name: Optional[str] = None
+    """``run.name`` on the command line: the run's fixed output directory ``outputs/<name>``
+    (re-running the same command resumes); None = a fresh directory per run."""
 
 
 @dataclass

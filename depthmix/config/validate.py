@@ -40,7 +40,7 @@ CHOICES = {
 FREE_TEXT = frozenset({
     "model.name", "data.name", "data.tokenizer", "data.cache_dir", "train.save_dir",
     "train.load_dir", "logger.project", "logger.entity", "logger.name", "logger.dir",
-    "output_dir",
+    "output_dir", "name",
 })
 """String options that take any text: names (of a preset, a run, a W&B project) and paths."""
 SYNTAX = frozenset({"data.split"})
@@ -232,6 +232,10 @@ def validate_train(run: RunConfig) -> None:
         _at_least("train.exit_after_steps", t.exit_after_steps, 1)
     if t.peak_tflops is not None:
         _positive("train.peak_tflops", t.peak_tflops)
+    if t.profile_steps is not None:
+        steps = list(t.profile_steps)
+        _require(len(steps) == 2 and 1 <= steps[0] <= steps[1],
+                 f"train.profile_steps={steps} must be [first, last] with 1 <= first <= last")
     # divergence policies and checkpoint integrity (depthmix.pretrain.health)
     _at_least("train.max_nonfinite_steps", t.max_nonfinite_steps, 1)
     if t.spike_zscore is not None:

@@ -1,6 +1,7 @@
 """What the process learns from its launcher (torchrun, srun, submitit) before training.
 
-* :func:`run_key` names the output directory so that every rank of one job agrees on it
+* ``run.name`` fixes the output directory (``outputs/<name>``, :func:`named_dir`); without
+  it :func:`run_key` names the output directory so that every rank of one job agrees on it
   (and a requeued SLURM job finds its own checkpoints again): ``$DEPTHMIX_RUN_KEY`` if set
   (the ``launch/`` scripts set it), ``slurm-<job id>[.<step id>]`` under SLURM,
   ``torchrun-<rdzv id>`` for a multi-node torchrun, else ``local/<time>`` where the time
@@ -20,6 +21,7 @@ import subprocess
 from typing import Mapping, Optional
 
 RESOLVER = "dm.run_key"
+NAMED = "dm.named"
 TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"
 
 
@@ -58,13 +60,25 @@ def run_key(env: Mapping[str, str] = os.environ) -> str:
     return f"local/{_stamp()}"
 
 
+def named_dir(root: str, name: Optional[str], unnamed: str) -> str:
+    """``${dm.named:outputs,${run.name},<unnamed>}``: ``outputs/<run.name>`` when the run
+    has a name (the same directory every time: re-running resumes), else
+    ``outputs/<unnamed>`` (the run key's fresh directory)."""
+    if name is not None and str(name).strip("/ "):
+        return f"{root}/{str(name).strip('/ ')}"
+    return f"{root}/{unnamed}"
+
+
 def register_resolvers() -> None:
-    """``${dm.run_key:}`` for ``configs/config.yaml``. Cached, so a Hydra sweep computes it
-    once on the submitting side and its jobs (submitit pickles the cache) reuse it."""
+    """``${dm.run_key:}`` and ``${dm.named:...}`` for ``configs/config.yaml``. The run key
+    is cached, so a Hydra sweep computes it once on the submitting side and its jobs
+    (submitit pickles the cache) reuse it."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver(RESOLVER):
         OmegaConf.register_new_resolver(RESOLVER, lambda: run_key(), use_cache=True)
+    if not OmegaConf.has_resolver(NAMED):
+        OmegaConf.register_new_resolver(NAMED, named_dir)
 
 
 def launcher_rank(env: Mapping[str, str] = os.environ) -> int:

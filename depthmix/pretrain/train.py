@@ -2,7 +2,8 @@
 
     depthmix-train model=tiny mixer=depth_attn
     torchrun --nproc-per-node 8 -m depthmix.pretrain.train model=3b mixer=moda parallel=tp2_pp4
-    depthmix-train -m mixer=depth_attn mixer.stride=6,12,24
+    depthmix-train -m model=500m mixer=depth_attn mixer.stride=6,12,24
+    depthmix-train model=tiny run.name=first     # outputs/first; the same command resumes
     depthmix-train model=3b parallel=tp2_pp4 train.dry_run=true parallel.world_size=64
 
 Exit status: 0 when training finished *or* was stopped by a preemption signal after
@@ -17,8 +18,12 @@ import logging
 import os
 import sys
 
-import hydra
-from omegaconf import DictConfig
+from depthmix.pretrain import run_log
+
+run_log.startup_warnings.start()  # before anything imports Megatron; reported at pre_train
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from depthmix.config.load import resolve
 from depthmix.config.schema import ConfigError
@@ -46,6 +51,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
     launch_env.ensure_distributed_env()  # srun/submitit tasks without torchrun
     launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
+    run_log.quiet_libraries(run.train.verbose)
     try:
         trainer = Trainer(run, callbacks=default_callbacks(run))
     except ConfigError as e:
@@ -61,13 +67,10 @@ def hydra_main(cfg: DictConfig) -> None:
         trainer.on_error(exc)
         raise
     finally:
-        trainer.close()
+        trainer.close()  # the closing summary (callbacks.RunSummary) says how to resume
     if diverged is not None:
         print(f"[depthmix] {diverged}", file=sys.stderr, flush=True)
         sys.exit(EXIT_DIVERGED)
-    if trainer.stop_reason:
-        log.info("stopped at step %d: %s (exit 0; resume by re-running)", trainer.step,
-                 trainer.stop_reason)
     from depthmix.pretrain.callbacks.preemption import mark_clean_exit
 
     mark_clean_exit(f"{trainer.stop_reason or 'finished'} at step {trainer.step}")
@@ -78,7 +81,7 @@ def _nonzero_rank_overrides() -> list:
     shows warnings and errors only (:func:`launch_env.quiet_nonzero_rank_logging`)."""
     if launch_env.launcher_rank() == 0:
         return []
-    return ["hydra.output_subdir=null", "hydra/hydra_logging=none", "hydra/job_logging=stdout"]
+    return ["hydra.output_subdir=null", "hydra/hydra_logging=none", "hydra/job_logging=console"]
 
 
 def main() -> None:

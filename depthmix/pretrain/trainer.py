@@ -163,15 +163,18 @@ class Trainer:
 
 
 def default_callbacks(run: RunConfig) -> List[Callback]:
-    """Console log line, progress bar, W&B, checkpoints, preemption. Checkpoints come after
-    the loggers: their ``post_step`` saves the state *after* the others acted on the step
-    (anything they draw from an RNG is in the checkpoint). Preemption comes last: its
-    ``close`` hands over to submitit after everything else is saved and closed. Logging
-    callbacks act on the loss rank only."""
+    """Console log line, progress bar, W&B, profiler, checkpoints, closing summary,
+    preemption. Checkpoints come after the loggers: their ``post_step`` saves the state
+    *after* the others acted on the step (anything they draw from an RNG is in the
+    checkpoint). The summary closes after W&B and before preemption, whose ``close`` hands
+    over to submitit after everything else is saved and closed. Logging callbacks act on
+    the loss rank only."""
     from depthmix.pretrain.callbacks import (
         CheckpointCallback,
         PreemptionCallback,
+        ProfilerCallback,
         ProgressBar,
+        RunSummary,
         WandbLogger,
     )
 
@@ -180,7 +183,10 @@ def default_callbacks(run: RunConfig) -> List[Callback]:
         callbacks.append(ProgressBar())
     if run.logger.wandb and run.logger.mode != "disabled" or run.logger.depth_stats_interval:
         callbacks.append(WandbLogger())
+    if run.train.profile_steps:
+        callbacks.append(ProfilerCallback())
     callbacks.append(CheckpointCallback())
+    callbacks.append(RunSummary())
     if run.train.save_on_preemption:
         callbacks.append(PreemptionCallback())
     return callbacks

@@ -5,6 +5,7 @@ same run key resumes from that step. Also: ranks agree on one output directory; 
 
 import os
 import re
+import shlex
 import signal
 import time
 
@@ -57,10 +58,16 @@ def test_sigterm_saves_the_current_step_and_exits_zero(preempted):
 
 
 def test_rerun_resumes_from_the_preemption_checkpoint(preempted):
+    """With the command the closing summary prints (no environment variable)."""
     first, tmp = preempted["first"], preempted["tmp"]
     stopped = first.steps()[-1]
-    env = dict(preempted["env"], DEPTHMIX_RUN_KEY=f"local/{preempted['runs'][0]}")
-    second = torchrun(2, [*preempted["args"], "train.exit_after_steps=2"], tmp, env,
+    resume = [line for line in first.lines if line.startswith("resume: ")]
+    assert len(resume) == 1, first.text[-3000:]
+    words = shlex.split(resume[0][len("resume: "):])
+    assert words[:3] == ["python", "-m", "torch.distributed.run"], words
+    args = words[words.index("depthmix.pretrain.train") + 1:]
+    assert args == [*preempted["args"], f"run.name=local/{preempted['runs'][0]}/tiny_vanilla"]
+    second = torchrun(2, [*args, "train.exit_after_steps=2"], tmp, preempted["env"],
                       timeout=300)
     try:
         code = second.finish()

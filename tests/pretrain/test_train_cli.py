@@ -51,3 +51,72 @@ def test_every_mixer_learns_in_one_multirun(tmp_path):
         assert sorted(losses) == [1, 30], (mixer, job[-1500:])
         assert losses[30] < 0.75 * losses[1], (mixer, losses)
     assert len([d for d in (tmp_path / "sweep").iterdir() if d.is_dir()]) == len(mixers)
+
+
+# ---- what the README's command prints, and resuming by name -----------------------------
+README_RUN = ["model=tiny", "run.name=x", "train.steps=4", "train.log_interval=1",
+              "train.eval_interval=2", "train.eval_iters=1", "train.exit_after_steps=2",
+              "data.embedded_documents=600"]
+NOISE = re.compile(r"warn|Params for bucket|Config\(|^\s|wandb:|TFLOP/s|Traceback", re.I)
+
+
+def depthmix_train(args, cwd, cache, timeout=300):
+    """The installed ``depthmix-train`` script in ``cwd``, as a user runs it: no
+    WANDB_SILENT, no DEPTHMIX_RUN_KEY, W&B offline (the default logger)."""
+    import os
+
+    env = dict(os.environ, DEPTHMIX_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    for key in ("WANDB_SILENT", "DEPTHMIX_RUN_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    exe = os.path.join(os.path.dirname(sys.executable), "depthmix-train")
+    proc = subprocess.run([exe, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def named_runs(tmp_path_factory):
+    """The same command twice: steps 1-2 (exit_after_steps), then 3-4."""
+    cwd = tmp_path_factory.mktemp("named")
+    cache = tmp_path_factory.mktemp("cache")
+    return cwd, [depthmix_train(README_RUN, cwd, cache) for _ in range(2)]
+
+
+def test_readme_command_prints_one_line_per_interval_and_a_summary(named_runs):
+    cwd, (first, _) = named_runs
+    lines = first.stdout.splitlines()
+    assert not [line for line in lines if NOISE.search(line)], first.stdout
+    assert first.stderr == "", first.stderr
+    assert [int(s) for s, _ in LINE.findall(first.stdout)] == [1, 2]
+    assert [line for line in lines if line.startswith("eval step")] == \
+        [line for line in lines if re.match(r"eval step\s+2 \| loss [0-9.]+ \| ppl", line)] != []
+    assert sum(line.startswith("fused kernels: ") for line in lines) == 1
+    summary = lines[lines.index(next(x for x in lines if x.startswith("run stopped"))):]
+    assert re.match(r"run stopped \(train\.exit_after_steps\) at step 2/4 \| train loss "
+                    r"[0-9.]+ \| eval loss [0-9.]+ \| wall \d", summary[0]), summary
+    assert summary[1].startswith("outputs: outputs/x (train.log, checkpoints, wandb)")
+    assert summary[2] == "last checkpoint: outputs/x/checkpoints/iter_0000002"
+    assert summary[3].startswith("W&B (offline): wandb sync ")
+    assert summary[4] == "resume: depthmix-train " + " ".join(README_RUN)
+    kinds = ("mixer.impl=", "W&B run ", "built the embedded corpus ", "datasets built ",
+             "fused kernels: ", "step ", "eval step ", "saved checkpoint ", "run stopped ",
+             "outputs: ", "last checkpoint: ", "W&B (offline): ", "resume: ")
+    assert [line for line in lines if not line.startswith(kinds)] == [], first.stdout
+    log = (cwd / "outputs" / "x" / "train.log").read_text().splitlines()
+    for line in lines:  # every console line, in order, in train.log
+        log = log[next(i for i, entry in enumerate(log) if entry.endswith(" - " + line)) + 1:]
+
+
+def test_rerunning_a_named_run_resumes_it(named_runs):
+    cwd, (_, second) = named_runs
+    out = second.stdout
+    assert "resumed from " + str(cwd / "outputs/x/checkpoints/iter_0000002") + " at step 2" in out
+    assert [int(s) for s, _ in LINE.findall(out)] == [3, 4]
+    assert re.search(r"^run finished at step 4/4 \| train loss", out, re.M), out
+    assert "resume:" not in out
+    assert sorted(p.name for p in (cwd / "outputs").iterdir()) == ["x"]
+    log = (cwd / "outputs" / "x" / "train.log").read_text()
+    assert "step      2/4" in log and "step      4/4" in log  # both runs, one log file

@@ -1,11 +1,14 @@
-"""Lifecycle callbacks (OLMo-core style): checkpoints, preemption, console, progress, W&B."""
+"""Lifecycle callbacks (OLMo-core style): checkpoints, preemption, console, progress, W&B,
+profiler, closing summary."""
 
 from depthmix.pretrain.callbacks.base import Callback
 from depthmix.pretrain.callbacks.checkpoint import CheckpointCallback
 from depthmix.pretrain.callbacks.console import ConsoleLogger
 from depthmix.pretrain.callbacks.preemption import PreemptionCallback
+from depthmix.pretrain.callbacks.profiler import ProfilerCallback
 from depthmix.pretrain.callbacks.progress import ProgressBar
+from depthmix.pretrain.callbacks.summary import RunSummary
 from depthmix.pretrain.callbacks.wandb import WandbLogger
 
 __all__ = ["Callback", "CheckpointCallback", "ConsoleLogger", "PreemptionCallback",
-           "ProgressBar", "WandbLogger"]
+           "ProfilerCallback", "ProgressBar", "RunSummary", "WandbLogger"]

@@ -9,6 +9,7 @@ from depthmix.config.schema import ConfigError
 from depthmix.pretrain import checkpoint as ckpt
 from depthmix.pretrain import save_guard
 from depthmix.pretrain.callbacks.base import Callback
+from depthmix.pretrain.run_log import say
 
 log = logging.getLogger("depthmix")
 
@@ -64,8 +65,8 @@ class CheckpointCallback(Callback):
         if not weights_only:
             self.last_saved_step = trainer.step
         if trainer.topo.is_logging_rank:
-            print(f"resumed from {path} at step {meta['step']}"
-                  + (" (weights only)" if weights_only else ""), flush=True)
+            say(f"resumed from {path} at step {meta['step']}"
+                + (" (weights only)" if weights_only else ""))
 
     def post_restore(self, trainer) -> None:
         self.last_saved_step = trainer.step  # a rollback loaded the checkpoint of this step
@@ -73,10 +74,8 @@ class CheckpointCallback(Callback):
     def save(self, trainer) -> None:
         if self.last_saved_step == trainer.step:
             return
-        ckpt.save(trainer, trainer.save_dir, keep_last=trainer.run.train.keep_last)
+        ckpt.save(trainer, trainer.save_dir, keep_last=trainer.run.train.keep_last)  # logs it
         self.last_saved_step = trainer.step
-        if trainer.topo.is_logging_rank:
-            print(f"saved checkpoint {ckpt.step_dir(trainer.save_dir, trainer.step)}", flush=True)
 
     def post_step(self, trainer, result) -> None:
         interval = trainer.run.train.save_interval

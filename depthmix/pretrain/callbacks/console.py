@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import math
 
+from depthmix.pretrain import run_log
 from depthmix.pretrain.callbacks.base import Callback
 
 
 class ConsoleLogger(Callback):
     """``step | loss | lr | grad norm | loss scale | tokens/s | TFLOP/s per device | MFU |
-    memory | s/step``. Throughput is averaged over the steps since the last line."""
+    memory | s/step`` (TFLOP/s and MFU only where the device's peak is known). Throughput
+    is averaged over the steps since the last line. Lines go through
+    :func:`run_log.say` (console and ``train.log``), or to ``printer`` when given. Before
+    training starts it prints the start-up summary of the libraries' warnings."""
 
-    def __init__(self, printer=print):
+    def __init__(self, printer=None):
         self.printer = printer
         self._seconds = 0.0
         self._steps = 0
@@ -19,13 +23,13 @@ class ConsoleLogger(Callback):
     def _emit(self, trainer, text: str) -> None:
         if not trainer.topo.is_logging_rank:
             return
-        bar = getattr(trainer, "progress_bar", None)
-        if bar is not None and self.printer is print:
-            bar.write(text)  # above the progress bar instead of through it
-        elif self.printer is print:
-            print(text, flush=True)
-        else:
-            self.printer(text)
+        (self.printer or run_log.say)(text)
+
+    def pre_train(self, trainer) -> None:
+        verbose = trainer.run.train.verbose
+        line = run_log.startup_warnings.finish(verbose)
+        if line:
+            self._emit(trainer, line)
 
     def post_step(self, trainer, result) -> None:
         from depthmix.pretrain.accounting import memory_stats, throughput
@@ -40,15 +44,16 @@ class ConsoleLogger(Callback):
         if not trainer.topo.is_logging_rank:
             return
         grad = f"{result.grad_norm:.3f}" if result.grad_norm is not None else "-"
-        mfu = f" | MFU {100 * perf.mfu:.1f}%" if perf.mfu is not None else ""
+        flops = (f" | {perf.tflops_per_device:.2f} TFLOP/s | MFU {100 * perf.mfu:.1f}%"
+                 if perf.mfu is not None else "")
         mem = memory_stats()
         mem_text = (f" | mem {mem['mem/peak_alloc_gib']:.1f} GiB" if "mem/peak_alloc_gib" in mem
                     else f" | rss {mem['mem/rss_gib']:.2f} GiB" if "mem/rss_gib" in mem else "")
         self._emit(
             trainer,
             f"step {trainer.step:>6}/{t.steps} | loss {result.loss:.4f} | lr {result.lr:.3e} "
-            f"| grad {grad} | scale {result.loss_scale:g} | {perf.tokens_per_s:,.0f} tok/s "
-            f"| {perf.tflops_per_device:.2f} TFLOP/s{mfu}{mem_text} "
+            f"| grad {grad} | scale {result.loss_scale:g} | {perf.tokens_per_s:,.0f} tok/s"
+            f"{flops}{mem_text} "
             f"| {perf.seconds_per_step:.3f} s/step" + (" | skipped" if result.skipped else "")
             + (f" | nonfinite {n}" if (n := getattr(result, "nonfinite_steps", 0)) else ""),
         )

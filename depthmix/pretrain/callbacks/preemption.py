@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from depthmix.pretrain.callbacks.base import Callback
+from depthmix.pretrain.run_log import say
 
 log = logging.getLogger("depthmix")
 
@@ -105,8 +106,8 @@ class PreemptionCallback(Callback):
             if callable(previous):
                 self._deferred = (previous, signum)
         if trainer.topo.is_logging_rank:
-            print(f"preemption ({name}) at step {trainer.step}{where}: saving a checkpoint "
-                  "and exiting with status 0", flush=True)
+            say(f"preemption ({name}) at step {trainer.step}{where}: saving a checkpoint "
+                "and exiting with status 0")
 
     def post_train(self, trainer) -> None:
         self._restore()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from depthmix.pretrain import run_log
 from depthmix.pretrain.callbacks.base import Callback
 
 
@@ -25,7 +26,8 @@ class ProgressBar(Callback):
             return
         self.bar = tqdm(total=trainer.run.train.steps, initial=trainer.step, unit="step",
                         dynamic_ncols=True, leave=False)
-        trainer.progress_bar = self.bar  # ConsoleLogger writes above it
+        trainer.progress_bar = self.bar
+        run_log.set_progress_bar(self.bar)  # console lines are written above it
 
     def post_step(self, trainer, result) -> None:
         if self.bar is not None:
@@ -42,3 +44,4 @@ class ProgressBar(Callback):
             self.bar.close()
             self.bar = None
             trainer.progress_bar = None
+            run_log.set_progress_bar(None)

@@ -27,6 +27,7 @@ import secrets
 import string
 
 from depthmix.pretrain.callbacks.base import Callback
+from depthmix.pretrain.run_log import say, short_path
 
 log = logging.getLogger("depthmix")
 
@@ -50,6 +51,14 @@ def default_name(run) -> str:
     if job == f"{run.model.name}_{run.mixer.name}":
         job = os.path.basename(os.path.dirname(path))
     return f"{run.model.name}-{run.mixer.name}-{job}"
+
+
+def _settings(wandb, verbose: bool):
+    """No console capture; W&B prints only its errors unless ``train.verbose=true``
+    (``silent`` / ``WANDB_SILENT`` would hide the errors too)."""
+    if verbose:
+        return wandb.Settings(console="off")
+    return wandb.Settings(console="off", quiet=True, show_info=False, show_warnings=False)
 
 
 class WandbLogger(Callback):
@@ -101,12 +110,15 @@ class WandbLogger(Callback):
         config["resumed_from"] = getattr(trainer, "resumed_from", None)
         directory = lg.dir or run.output_dir
         os.makedirs(directory, exist_ok=True)
+        settings = _settings(wandb, run.train.verbose)
+        wandb.setup(settings=settings)  # its console output is configured here, not in init
         self.run = wandb.init(
             project=lg.project, entity=lg.entity, name=lg.name or default_name(run),
             dir=directory, mode=lg.mode, id=run_id, resume="allow", config=config,
-            tags=list(lg.tags) or None, settings=wandb.Settings(console="off"),
+            tags=list(lg.tags) or None, settings=settings,
         )
-        print(f"W&B run {run_id} ({lg.mode}) in {self.run.dir}", flush=True)
+        trainer.wandb_dir = os.path.dirname(self.run.dir)  # .../offline-run-<time>-<id>
+        say(f"W&B run {run_id} ({lg.mode}): {short_path(trainer.wandb_dir)}")
 
     # ---- events -------------------------------------------------------------------------
     def post_step(self, trainer, result) -> None:
