@@ -5,17 +5,19 @@ depthmix.pretrain.train``, ``launch/local.sh``, ``launch/slurm/train.sbatch``) i
 dry-run in this process (``train.dry_run=true``) at the world size the command implies,
 every multirun point separately (the points of ``sweep=`` files included).
 ``depthmix-preprocess`` lines are parsed by its argument parser; the other CLIs (eval,
-generate, export) are not checked here. Paths under ``/data/`` are redirected to empty
-placeholder files, so commands for real corpora are checked too.
+generate, export) are not checked here. Paths under ``/data/`` are redirected to copies of
+the embedded corpus's files, so commands for real corpora are checked too.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import io
 import os
 import re
 import shlex
+import shutil
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -143,9 +145,21 @@ def sweep_points(args: List[str]) -> tuple:
     return [list(point) for batch in batches for point in batch], world
 
 
+@functools.lru_cache(maxsize=1)
+def stand_in_data() -> tuple:
+    """(prefix, tokenizer) of the embedded corpus: real files to copy where a command
+    names a cluster path (the preflight reads their headers and loads the tokenizer)."""
+    from depthmix.config.load import compose_run
+    from depthmix.data.datasets import prepare_embedded
+
+    emb = prepare_embedded(compose_run("model=tiny"))
+    return emb.prefix, emb.tokenizer
+
+
 def redirect_data_paths(args: List[str], root: str) -> List[str]:
-    """``/data/...`` -> ``<root>/data/...`` with empty placeholder files (the dry run checks
-    that data prefixes and tokenizers exist, not what they hold)."""
+    """``/data/...`` -> ``<root>/data/...`` holding copies of the embedded corpus's files
+    (the dry run checks that data prefixes and tokenizers exist and are sound)."""
+    prefix, tokenizer = stand_in_data()
     out = []
     for arg in args:
         if "/data/" not in arg:
@@ -154,11 +168,13 @@ def redirect_data_paths(args: List[str], root: str) -> List[str]:
         arg = arg.replace("/data/", f"{root}/data/")
         key, _, value = arg.partition("=")
         paths = value.strip("[]").split(",")
-        suffixes = [".bin", ".idx"] if key.endswith("prefixes") else [""]
+        is_prefix = key.endswith("prefixes")
         for path in paths:
-            for suffix in suffixes:
+            for suffix in ([".bin", ".idx"] if is_prefix else [""]):
                 os.makedirs(os.path.dirname(path + suffix), exist_ok=True)
-                open(path + suffix, "a").close()
+                source = prefix + suffix if is_prefix else tokenizer
+                if not os.path.exists(path + suffix):
+                    shutil.copyfile(source, path + suffix)
         out.append(arg)
     return out
 

@@ -38,14 +38,6 @@ def preflight(run: RunConfig, world_size: int) -> None:
 
 
 # ------------------------------------------------------------------------ data
-def _check_prefix_integrity():
-    try:
-        from depthmix.data.integrity import check_prefix
-    except ImportError:
-        return None
-    return check_prefix
-
-
 def sequence_count(prefix: str) -> int:
     """Number of sequences (documents) in a Megatron ``.idx``, from its header."""
     path = f"{prefix}.idx"
@@ -87,15 +79,16 @@ def check_data(run: RunConfig) -> None:
         _check_split(d.split, "the embedded corpus (data.embedded_documents)",
                      d.embedded_documents)
         return
-    check_prefix = _check_prefix_integrity()
-    paths, _ = parse_blend(d.prefixes)
-    for path in paths:
+    from depthmix.data.integrity import check_prefix
+
+    paths, weights = parse_blend(d.prefixes)
+    for i, path in enumerate(paths):
         prefix = os.path.abspath(os.path.expanduser(path))
         if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
             raise ConfigError(f"data.prefixes: {prefix}.bin/.idx not found "
                               "(make them with depthmix-preprocess)")
-        if check_prefix is not None:
-            check_prefix(prefix)
+        # header, sizes and index consistency (the pass over every document: build_data)
+        check_prefix(prefix, f"data.prefixes[{2 * i + 1 if weights else i}]", deep=False)
         _check_split(d.split, prefix, sequence_count(prefix))
     from depthmix.data.tokenizer import load_tokenizer
 
