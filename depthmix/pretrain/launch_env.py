@@ -18,6 +18,7 @@ import datetime
 import logging
 import os
 import re
+import socket
 import subprocess
 from typing import Mapping, Optional
 
@@ -158,3 +159,11 @@ def validate_launch(run: RunConfig, world_size: int) -> None:
         raise ConfigError(f"logger.mode={lg.mode!r} must be offline, online or disabled")
     if lg.depth_stats_interval < 0:
         raise ConfigError(f"logger.depth_stats_interval={lg.depth_stats_interval} must be >= 0")
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now: the rendezvous port of a world started
+    without a launcher (a plain single process, the tests' spawned ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -38,7 +38,7 @@ from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 
-from depthmix.kernels.attnres import attnres_reference, fused_attnres
+from depthmix.kernels.attnres import attnres_reference
 from depthmix.kernels.bench_case import Case
 from depthmix.kernels.dispatch import triton_status
 
@@ -125,8 +125,10 @@ def cases(smoke: bool) -> list:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     ops: Dict[str, Callable] = {}
-    if triton_status()[0] and fused_attnres is not None:
-        ops["ours"] = fused_attnres
+    if triton_status()[0]:
+        from depthmix.kernels.attnres.function import attnres_triton
+
+        ops["ours"] = attnres_triton
     ops["torch"] = attnres_reference
     if cuda:
         ops["compile"] = torch.compile(attnres_reference, dynamic=False)

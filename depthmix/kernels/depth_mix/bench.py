@@ -24,7 +24,7 @@ from typing import Callable, Dict
 import torch
 
 from depthmix.kernels.bench_case import Case, fla_causal_attention
-from depthmix.kernels.depth_mix.reference import depth_mix
+from depthmix.kernels.depth_mix.reference import depth_mix_reference
 from depthmix.kernels.dispatch import triton_status
 from depthmix.megatron_ext.attention import causal_sdpa
 
@@ -71,11 +71,11 @@ def _plain(attention: Callable) -> Callable:
 def cases(smoke: bool) -> list:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    mixes: Dict[str, Callable] = {"torch": depth_mix}
+    mixes: Dict[str, Callable] = {"torch": depth_mix_reference}
     if triton_status()[0]:
-        from depthmix.kernels.depth_mix.function import fused_depth_mix
+        from depthmix.kernels.depth_mix.function import depth_mix_triton
 
-        mixes = {"ours": fused_depth_mix, **mixes}
+        mixes = {"ours": depth_mix_triton, **mixes}
     attentions = {"sdpa": causal_sdpa}
     fla = fla_causal_attention() if cuda else None
     if fla is not None:
@@ -89,7 +89,7 @@ def cases(smoke: bool) -> list:
 
     out = []
     if cuda:
-        mixes["compile"] = torch.compile(depth_mix, dynamic=False)
+        mixes["compile"] = torch.compile(depth_mix_reference, dynamic=False)
     for t, heads, g, hd, dtype in shapes:
         label = f"T{t}-G{g}-hd{hd}" + (f"-np{heads}-fp32" if dtype == torch.float32 else "")
         make = _inputs(t, heads, g, hd, NUM_SOURCES, dtype, device)

@@ -36,7 +36,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from depthmix.config.schema import ConfigError
-from depthmix.kernels.attnres import attnres_op
+from depthmix.kernels.dispatch import select
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import STEM, DepthState, Entry
 from depthmix.megatron_ext.layer import ResidualOp
@@ -238,7 +238,7 @@ class PseudoQueryRead(MegatronModule):
             mark_mixing_parameter(p, config)
         self.geometry = AttnResGeometry.from_config(config)
         # the op implementation is fixed here, from the start-up resolved mixer.impl
-        self.attnres = attnres_op(config.mixer.impl)
+        self.attnres = select("attnres", config.mixer.impl)
 
     def aggregate(self, state: DepthState, i: int, return_weights: bool = False):
         """``h_i`` ``[s, b, h]`` over sublayer ``i``'s sources (and the weights

@@ -32,7 +32,8 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from depthmix.config.schema import ConfigError
-from depthmix.kernels.depth_mix import MIX_RULES, MIXED_STATES, depth_weights, get_depth_mix
+from depthmix.kernels.depth_mix import MIX_RULES, MIXED_STATES, depth_weights
+from depthmix.kernels.dispatch import select
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthState, Entry
 from depthmix.megatron_ext.mixers.base import Mixer, MixerConfig, residual_stream_entry
@@ -198,7 +199,7 @@ class DepthAttention(MegatronModule):
         self.schedule = DepthSchedule.from_config(config)
         self.mix_rule, self.mixed_state = cfg.mix_rule, cfg.mixed_state
         self.carries_keys, self.carries_values = cfg.carries_keys, cfg.mixes_values
-        self.depth_mix = get_depth_mix(cfg.impl)
+        self.depth_mix = select("depth_mix", cfg.impl)
 
     def forward(self, query, key, value, state: DepthState, ctx: ForwardContext):
         layer = ctx.layer  # unrolled index: a looped layer has different sources per loop

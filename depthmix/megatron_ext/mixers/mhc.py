@@ -25,7 +25,6 @@ norm reads their mean (``StreamHead``). See ``docs/methods/mhc.md``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import List
 
@@ -34,20 +33,14 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from depthmix.config.schema import ConfigError
-from depthmix.kernels.mhc import (
-    VARIANTS,
-    coefficient_width,
-    mhc_coefficients,
-    mhc_post_res,
-    mhc_read,
-)
+from depthmix.kernels.dispatch import select
+from depthmix.kernels.mhc import VARIANTS, coefficient_width, mhc_coefficients
 from depthmix.megatron_ext.depth_state import STEM, Entry
 from depthmix.megatron_ext.layer import ResidualOp
 from depthmix.megatron_ext.mixers.base import ExtraParams, Mixer, MixerConfig, mark_mixing_parameter
 from depthmix.megatron_ext.model import seeded_init
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
 
-log = logging.getLogger("depthmix")
 
 STREAMS = "streams"
 """Depth-state name of the ``n`` residual streams ``[s, b, n, h]``."""
@@ -125,12 +118,7 @@ class HyperConnection(ResidualOp):
             mark_mixing_parameter(param, config)
         # The ops, chosen once from mixer.impl: the reference (PyTorch) or the fused Triton
         # kernels (two launches per sublayer: read, post/res), same signatures.
-        if mc.impl == "triton":
-            from depthmix.kernels.mhc import fused_mhc_post_res, fused_mhc_read
-
-            self._read_op, self._post_res_op = fused_mhc_read, fused_mhc_post_res
-        else:
-            self._read_op, self._post_res_op = mhc_read, mhc_post_res
+        self._read_op, self._post_res_op = select("mhc", mc.impl)
 
     def coefficients(self, x):
         return mhc_coefficients(x, self.phi, self.alpha, self.bias, self.variant,
@@ -182,9 +170,6 @@ def get_mhc_model_spec(config):
     residual = ModuleSpec(module=HyperConnection)
     layer = dataclasses.replace(get_decoder_layer_submodules(config),
                                 attn_residual=residual, mlp_residual=residual)
-    if config.mixer.impl == "triton":
-        log.info("mixer=mhc: fused Triton kernels (depthmix.kernels.mhc.fused_mhc_read, "
-                 "fused_mhc_post_res)")
     return get_model_submodules(config, layer, stem=StreamStem, head=StreamHead)
 
 

@@ -46,11 +46,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
 from depthmix.config.schema import ConfigError
-from depthmix.kernels.moda_attention import (
-    get_moda_attention,
-    moda_attention_reference,
-    moda_depth_weights,
-)
+from depthmix.kernels.dispatch import select
+from depthmix.kernels.moda_attention import moda_attention_reference, moda_depth_weights
 from depthmix.megatron_ext.attention import DepthMixSelfAttention, SDPACoreAttention, causal_sdpa
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthState, Entry
@@ -321,7 +318,7 @@ class MoDACoreAttention(SDPACoreAttention):
 
     def __init__(self, config, layer_number: int, **kwargs):
         super().__init__(config, layer_number, **kwargs)
-        self.moda_attention = get_moda_attention(config.mixer.impl)
+        self.moda_attention = select("moda_attention", config.mixer.impl)
 
     def forward(self, query, key, value, attention_mask=None, depth_key=None,
                 depth_value=None, depth_stats=None, **kwargs):

@@ -9,7 +9,7 @@ import torch
 
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
-from depthmix.kernels.depth_mix import MIX_RULES, MIXED_STATES, depth_mix, depth_weights
+from depthmix.kernels.depth_mix import MIX_RULES, MIXED_STATES, depth_mix_reference, depth_weights
 from depthmix.megatron_ext.mixers.depth_attn import (
     SOURCE_MODES,
     DepthSchedule,
@@ -144,10 +144,11 @@ def test_uniform_is_plain_mean():
     k, v = torch.randn(2, s, b, ng, hn, dtype=torch.float64)
     src_k = torch.randn(S, s, b, ng, hn, dtype=torch.float64)
     src_v = torch.randn(S, s, b, ng, hn, dtype=torch.float64)
-    key, value = depth_mix(q, k, v, None, src_v, mix_rule="uniform")
+    key, value = depth_mix_reference(q, k, v, None, src_v, mix_rule="uniform")
     torch.testing.assert_close(value, (v + src_v.sum(0)) / (S + 1), **TOL)
     assert key is k
-    key, value = depth_mix(q, k, v, src_k, src_v, mix_rule="uniform", mixed_state="key_value")
+    key, value = depth_mix_reference(q, k, v, src_k, src_v, mix_rule="uniform",
+                                     mixed_state="key_value")
     torch.testing.assert_close(key, (k + src_k.sum(0)) / (S + 1), **TOL)
     torch.testing.assert_close(value, (v + src_v.sum(0)) / (S + 1), **TOL)
 
@@ -160,17 +161,17 @@ def test_op_boundary_stacked_buffer_list_and_dtypes():
     k, v = torch.randn(2, s, b, ng, hn)
     buf_k, buf_v = torch.randn(2, S + 1, s, b, ng, hn)  # one slot too many: a view of a buffer
     for state in MIXED_STATES:
-        a = depth_mix(q, k, v, buf_k[:S], buf_v[:S], mixed_state=state)
-        c = depth_mix(q, k, v, list(buf_k[:S]), list(buf_v[:S]), mixed_state=state)
+        a = depth_mix_reference(q, k, v, buf_k[:S], buf_v[:S], mixed_state=state)
+        c = depth_mix_reference(q, k, v, list(buf_k[:S]), list(buf_v[:S]), mixed_state=state)
         for x, y in zip(a, c):
             assert torch.equal(x, y)
     w = depth_weights(q.bfloat16(), k.bfloat16(), buf_k[:S].bfloat16())
     assert w.dtype == torch.float32 and w.shape == (s, b, ng, S + 1)
     torch.testing.assert_close(w.sum(-1), torch.ones(s, b, ng))
-    _, value = depth_mix(q.bfloat16(), k.bfloat16(), v.bfloat16(), buf_k[:S].bfloat16(),
+    _, value = depth_mix_reference(q.bfloat16(), k.bfloat16(), v.bfloat16(), buf_k[:S].bfloat16(),
                          buf_v[:S].bfloat16())
     assert value.dtype == torch.bfloat16
-    ref = depth_mix(q, k, v, buf_k[:S], buf_v[:S])[1]
+    ref = depth_mix_reference(q, k, v, buf_k[:S], buf_v[:S])[1]
     torch.testing.assert_close(value.float(), ref, rtol=2e-2, atol=2e-2)
 
 

@@ -18,7 +18,7 @@ from resop_reference import (
 )
 
 from depthmix.config.schema import ConfigError
-from depthmix.kernels.mhc import mhc_coefficients, sinkhorn
+from depthmix.kernels.mhc import mhc_coefficients, sinkhorn_reference
 from depthmix.testing import build_model, incremental_logits, tiny_run
 
 VARIANTS = ["mhc", "hc", "identity"]
@@ -151,29 +151,29 @@ def test_sinkhorn_is_doubly_stochastic():
         spread = torch.randn(512, n, n, generator=g) if n > 2 else init
         for logits in (init, spread):
             for dtype in (torch.float32, torch.bfloat16):
-                m = sinkhorn(logits.to(dtype), 20)
+                m = sinkhorn_reference(logits.to(dtype), 20)
                 assert m.dtype == torch.float32  # statistics in fp32 even for bf16 logits
                 assert (m >= 0).all()
                 torch.testing.assert_close(m.sum(-1), ones, rtol=0, atol=1e-3)
                 torch.testing.assert_close(m.sum(-2), ones, rtol=0, atol=1e-6)
         hard = 6.0 * torch.eye(n) - 3.0 + 0.3 * torch.randn(512, n, n, generator=g)
-        gaps = [(sinkhorn(hard.double(), it).sum(-1) - 1).abs().max().item()
+        gaps = [(sinkhorn_reference(hard.double(), it).sum(-1) - 1).abs().max().item()
                 for it in (20, 100, 500)]
         assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-3, gaps
 
 
 def test_sinkhorn_row_max_shift_keeps_large_logits_finite():
     logits = torch.tensor([[1000.0, 990.0], [-5.0, 995.0]])
-    m = sinkhorn(logits, 20)
+    m = sinkhorn_reference(logits, 20)
     assert torch.isfinite(m).all()
-    torch.testing.assert_close(m, sinkhorn(logits - 900.0, 20))
+    torch.testing.assert_close(m, sinkhorn_reference(logits - 900.0, 20))
 
 
 def test_sinkhorn_gradient_matches_finite_differences():
     g = torch.Generator().manual_seed(0)
     for iters in (1, 5, 20):
         logits = torch.randn(3, 4, 4, dtype=torch.float64, generator=g, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda x: sinkhorn(x, iters), (logits,), eps=1e-6,
+        assert torch.autograd.gradcheck(lambda x: sinkhorn_reference(x, iters), (logits,), eps=1e-6,
                                         atol=1e-8, rtol=1e-6)
 
 
@@ -183,7 +183,7 @@ def test_sinkhorn_matches_plain_loop():
     logits = torch.randn(5, 3, n, n, dtype=torch.float64, generator=g) * 2
     nested = [[logits[..., i, j] for j in range(n)] for i in range(n)]
     ref = plain_sinkhorn(nested, 20)
-    fast = sinkhorn(logits, 20)
+    fast = sinkhorn_reference(logits, 20)
     for i in range(n):
         for j in range(n):
             torch.testing.assert_close(fast[..., i, j], ref[i][j], rtol=1e-13, atol=1e-15)
