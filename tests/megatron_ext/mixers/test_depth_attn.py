@@ -282,15 +282,13 @@ def test_pipeline_bytes_formula(pp, stride, live):
     """Payload per transition = the residual stream + 2 * |live sources| * s * b * ng/tp * hn
     elements (docs/methods/depth_attn.md), straight from the plan. ``live``: chunk ->
     number of sources written before the chunk and read in or after it."""
-    from depthmix.megatron_ext.depth_state import DepthPlan
     from depthmix.megatron_ext.layout import PipelineLayout
-    from depthmix.megatron_ext.transport import TransportGeometry
+    from depthmix.megatron_ext.transport import geometry_of
 
     run = make_run(stride=stride)
     run.parallel.pp = pp
     config = _config(run)
-    geo = TransportGeometry(plan=DepthPlan(depth_attn_plan(config, 1), 4),
-                            layout=PipelineLayout(4, pp), seq_length=16, hidden_size=64)
+    geo = geometry_of(config, PipelineLayout(4, pp), 1)
     b, e, s, ng, hn = 3, 2, 16, 2, 16
     for chunk, n in live.items():
         assert geo.payload_bytes(chunk, b, e) == (s * b * 64 + 2 * n * s * b * ng * hn) * e

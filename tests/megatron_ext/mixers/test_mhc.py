@@ -291,25 +291,22 @@ def test_statistics_are_recorded(megatron_single):
 
 def test_plan_parameters_and_transport(megatron_single):
     from depthmix.config.megatron import to_transformer_config
-    from depthmix.megatron_ext.depth_state import DepthPlan
     from depthmix.megatron_ext.layout import PipelineLayout
     from depthmix.megatron_ext.mixers.mhc import HyperConnection, mhc_plan
-    from depthmix.megatron_ext.transport import TransportGeometry
+    from depthmix.megatron_ext.transport import geometry_of
 
     run, model = make("mhc", streams=4)
     config = to_transformer_config(run)
     (entry,) = mhc_plan(config, tp=2)
     assert entry.shape == (4, run.model.hidden_size) and entry.seq_sharded
-    geo = TransportGeometry(plan=DepthPlan([entry], config.num_layers),
-                            layout=PipelineLayout(config.num_layers, 2), seq_length=16,
-                            hidden_size=run.model.hidden_size, tp=2, sequence_parallel=True)
+    config.sequence_parallel = True
+    geo = geometry_of(config, PipelineLayout(config.num_layers, 2), tp=2)
     # PP=2 with SP: one transition carrying the 4 streams of the local sequence shard.
     assert geo.payload_bytes(1, micro_batch_size=2, element_size=2) == 8 * 2 * 4 * 64 * 2
     assert geo.rows(1) == 8 * 4
     mixing = [p for n, p in model.named_parameters() if n.endswith((".phi", ".alpha", ".bias"))]
     assert len(mixing) == 3 * 2 * run.model.num_layers
     assert all(p.no_weight_decay and p.sequence_parallel is False for p in mixing)
-    config.sequence_parallel = True
     op = HyperConnection(config, layer_number=1, sublayer="mlp")
     assert all(p.sequence_parallel and p.no_weight_decay for p in op.parameters())
     n, h = 4, run.model.hidden_size

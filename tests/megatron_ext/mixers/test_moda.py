@@ -12,11 +12,10 @@ from omegaconf import OmegaConf
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
 from depthmix.inference import KVCache
-from depthmix.megatron_ext.depth_state import DepthPlan
 from depthmix.megatron_ext.layout import PipelineLayout
 from depthmix.megatron_ext.mixers import moda as moda_mod
 from depthmix.megatron_ext.mixers.moda import MoDAGeometry, moda_plan
-from depthmix.megatron_ext.transport import TransportGeometry
+from depthmix.megatron_ext.transport import geometry_of
 from depthmix.testing import build_model, incremental_logits, tiny_run
 from resop_reference import assert_recompute_matches, ids_for, loss_and_grads
 
@@ -406,9 +405,7 @@ def test_pipeline_bytes_closed_form(megatron_single, pp, vp, tp, sp, options):
     validate(run)
     config = to_transformer_config(run)
     layout = PipelineLayout(config.num_layers, pp, vp)
-    geo = TransportGeometry(plan=DepthPlan(moda_plan(config, tp), config.unrolled_layers),
-                            layout=layout, seq_length=config.seq_length,
-                            hidden_size=config.hidden_size, tp=tp, sequence_parallel=sp)
+    geo = geometry_of(config, layout, tp)
     for chunk in range(1, layout.num_chunks):
         assert geo.payload_bytes(chunk, run.train.micro_batch_size, 4) == \
             closed_form_bytes(run, chunk, layout, tp, sp), f"chunk {chunk}"
