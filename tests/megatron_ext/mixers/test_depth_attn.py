@@ -1,5 +1,6 @@
 """Depth-Attention (``mixer=depth_attn``): the paper's loops vs the vectorised model, its
-invariants, KV-cached decoding, recomputation, the plan and config validation."""
+invariants, the KV cache's mixed values, the plan and config validation.
+(Decoding and recomputation: test_conformance.py.)"""
 
 import itertools
 import math
@@ -20,7 +21,7 @@ from depthmix.megatron_ext.mixers.depth_attn import (
     value_name,
 )
 from depthmix.megatron_ext.mixers.depth_attn_reference import reference_logits, reference_sources
-from depthmix.testing import build_model, incremental_logits, tiny_run
+from depthmix.testing import build_model, tiny_run
 
 SEQ = 8
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -184,21 +185,7 @@ def test_looped_model_has_one_stack_of_parameters(megatron_single):
     assert {key_name(j) for j in range(5)} <= set(looped.plan.entries)
 
 
-# ---- 3. KV-cached decoding --------------------------------------------------------------
-@pytest.mark.parametrize("groups, layers, n_loops, state", [
-    (2, 4, 1, "value"), (4, 4, 1, "value"), (2, 4, 1, "key_value"), (2, 2, 2, "value")],
-    ids=["gqa", "mha", "gqa-key_value", "gqa-looped"])
-def test_incremental_decoding_matches_full_forward(groups, layers, n_loops, state,
-                                                   megatron_single):
-    torch.manual_seed(0)
-    run = make_run(groups=groups, layers=layers, n_loops=n_loops, stride=1, mixed_state=state)
-    model = build_model(run, dtype=torch.float64).eval()
-    ids = torch.randint(0, 128, (2, 16))
-    with torch.no_grad():
-        full = model(ids)
-    torch.testing.assert_close(incremental_logits(model, ids, prefill=3), full, **TOL)
-
-
+# ---- 3. the KV cache holds mixed values ------------------------------------------------
 def test_v_cache_holds_mixed_values(megatron_single):
     from depthmix.inference import KVCache
 
@@ -214,27 +201,6 @@ def test_v_cache_holds_mixed_values(megatron_single):
     assert torch.equal(cache.values[1], stored["out"][1])  # the mixed ṽ_1 ...
     assert not torch.allclose(cache.values[1], stored["value"])  # ... not the raw v_1
     assert torch.equal(cache.keys[1], stored["key"])  # keys untouched in value mode
-
-
-# ---- 4. activation recomputation --------------------------------------------------------
-@pytest.mark.parametrize("state", ["value", "key_value"])
-def test_recompute_gives_identical_gradients(state, megatron_single):
-    """fp64, so that only summation order may differ: with mixed keys a source key's gradient
-    sums contributions of several readers, which recomputation adds up in another order
-    (fp32: ~2e-7 relative, i.e. rounding; value mode happens to be bit-identical)."""
-    ids = torch.randint(0, 128, (2, SEQ))
-    labels = torch.randint(0, 128, (2, SEQ))
-    grads = []
-    for recompute in ("none", "full"):
-        run = make_run(stride=1, mixed_state=state)
-        run.parallel.recompute = recompute
-        model = build_model(run, dtype=torch.float64).train()
-        assert model.config.recompute_granularity == (None if recompute == "none" else "full")
-        model(ids, labels=labels).sum().backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    for name, g in grads[0].items():
-        torch.testing.assert_close(g, grads[1][name], rtol=1e-12, atol=1e-12,
-                                   msg=lambda m: f"{name}: {m}")
 
 
 # ---- sources, plan, pipeline bytes, statistics, cost ------------------------------------
@@ -319,7 +285,7 @@ def test_extra_flops_3b():
     assert extra_flops_per_token(config) == expected == 335_872
 
 
-# ---- 5. configuration -------------------------------------------------------------------
+# ---- 4. configuration -------------------------------------------------------------------
 @pytest.mark.parametrize("preset, stride", [("360m", 12), ("500m", 12), ("710m", 16),
                                             ("1p5b", 24), ("3b", 24)])
 def test_default_stride_is_half_the_depth(preset, stride):
