@@ -122,3 +122,14 @@ def test_packed_wire_carries_the_live_state(mixer, options, pp, vp, tp):
                     packed = transports[chunk].send({n: truth[n] for n in end_live}, micro)
                     assert transports[chunk].bytes_sent - sent_before == \
                         geo.payload_bytes(chunk + 1, b, packed.element_size())
+
+
+def test_the_model_resets_its_depth_cache(megatron_single):
+    """``step.py`` clears the rank's cache through the model, before and after a pass."""
+    from depthmix.testing import build_model
+
+    model = build_model(tiny_run("attnres_full"))
+    model.transport.cache.put(0, "y0", torch.zeros(1))
+    assert len(model.transport.cache) == 1
+    model.reset_depth_cache()
+    assert len(model.transport.cache) == 0

@@ -1,7 +1,7 @@
 """mHC / Hyper-Connections stream mixing: the plain PyTorch reference.
 
-This is the op boundary of the future fused kernel (issue 9: RMSNorm of the flattened
-streams, coefficient projection, Sinkhorn-Knopp, stream mix in one pass). Everything is
+It is the contract of the fused kernels (``function.py``: RMSNorm of the flattened
+streams, coefficient projection, Sinkhorn-Knopp and the stream mix in two launches). Everything is
 computed in fp32 (fp64 inputs stay fp64, for tests); callers cast results back to the
 activation dtype.
 

@@ -13,8 +13,8 @@ No parameters, no new persistent state: ``ṽ_l`` goes to the V-cache slot (the 
 module caches whatever keys/values its ``depth_mixer`` returns). The depth state carries
 the source layers' ``(k_j, ṽ_j)`` — attention-side tensors at the rank's local KV heads,
 full sequence — from the writing layer to its last reader, so under pipeline parallelism
-only those cross stages. The math lives in :func:`depthmix.kernels.depth_mix.depth_mix`,
-the boundary of the future fused kernel.
+only those cross stages. The math lives in :func:`depthmix.kernels.depth_mix.depth_mix_reference`,
+the contract of the fused kernel ``depth_mix_triton``.
 
 Sources index the *unrolled* layer sequence (``ctx.layer``). In a looped transformer
 (``model.n_loops > 1``) a layer's own earlier-loop values are added to its sources
