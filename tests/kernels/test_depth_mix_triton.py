@@ -242,6 +242,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile, make_backend
 from triton.runtime.jit import create_function_from_signature
+from depthmix.kernels._common import acc_dtype, tl_dtype
 from depthmix.kernels.depth_mix import triton as K
 
 backend = make_backend(GPUTarget("cuda", 90, 32))
@@ -263,7 +264,7 @@ srcs = tuple(torch.empty_like(k) for _ in range(n_src))
 lse = torch.empty(s, b, ng)
 strides = [x for t in (q, k, v, k, k) for x in K._heads_strides(t)]
 consts = dict(G=g, NUM_SRC=n_src, SOFTMAX=softmax, MIX_KEYS=True, MIX_VALUES=True,
-              ACC=K._acc_dtype(torch.bfloat16), BLOCK_D=hd, BLOCK_T=16)
+              ACC=tl_dtype(acc_dtype(torch.bfloat16)), BLOCK_D=hd, BLOCK_T=16)
 fwd = build(K.depth_mix_fwd_kernel,
             (q, k, v, srcs, srcs, k, v, lse, s * b, b, ng, hd, *strides, 0.1), consts)
 bwd = build(K.depth_mix_bwd_kernel,
