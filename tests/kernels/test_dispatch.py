@@ -84,15 +84,15 @@ def test_a_model_with_unresolved_auto_is_refused_at_construction(megatron_single
         build_model(run)
 
 
-@pytest.mark.parametrize("mixer", sorted(KERNEL_MIXERS))
-def test_loaded_configs_hold_a_resolved_impl(mixer):
+def test_loaded_configs_hold_a_resolved_impl():
     """The two ways a run config comes to exist: composed from YAML at start-up, and
-    rebuilt from a checkpoint's record (generation, evaluation, export)."""
+    rebuilt from a checkpoint's record (generation, evaluation, export). (Both resolve
+    whatever the mixer; one with a kernel stands for all.)"""
     from depthmix.config.fingerprint import record, run_from_record
     from depthmix.config.load import compose_run
     from depthmix.kernels.dispatch import RESOLVED
 
-    run = compose_run(f"mixer={mixer}", "mixer.impl=auto")
+    run = compose_run("mixer=moda", "mixer.impl=auto")
     assert run.mixer.impl in RESOLVED
     saved = record(run)
     saved["mixer"]["impl"] = "auto"
