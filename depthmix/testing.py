@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 from typing import Optional
 
 import torch
 
 from depthmix import cpu_compat
 from depthmix.config.schema import RunConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from depthmix.pretrain.launch_env import free_port  # noqa: F401  (re-exported for tests)
 
 
 def init_single_process(seed: int = 1234) -> None:

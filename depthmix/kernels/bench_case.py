@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional
 
+import torch
+
 
 @dataclass
 class Case:
@@ -19,6 +21,19 @@ class Case:
     baseline: str = "torch"
     """The candidate the ratio column divides by (e.g. plain attention for "attention +
     depth mix" cases)."""
+
+
+def implementations(op: str, cuda: bool) -> Dict[str, Callable]:
+    """Our candidates for kernel ``op``: ``ours`` (the Triton kernel, where Triton can
+    run), ``torch`` (the reference) and, on CUDA, ``compile`` (the reference under
+    ``torch.compile``)."""
+    from depthmix.kernels.dispatch import select, triton_status
+
+    out = {"ours": select(op, "triton")} if triton_status()[0] else {}
+    out["torch"] = select(op, "torch")
+    if cuda:
+        out["compile"] = torch.compile(out["torch"], dynamic=False)
+    return out
 
 
 def fla_causal_attention() -> Optional[Callable]:

@@ -228,6 +228,11 @@ class DepthMixModel(LanguageModule):
         if mixer.bind is not None:
             mixer.bind(self)
 
+    def reset_depth_cache(self) -> None:
+        """Drop the depth state this rank cached for its later chunks (one cache shared
+        by the rank's chunks): before and after every forward-backward pass."""
+        self.transport.cache.reset()
+
     def set_input_tensor(self, input_tensor) -> None:
         if isinstance(input_tensor, list):
             input_tensor = input_tensor[0]

@@ -33,13 +33,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from functools import cached_property
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from depthmix.megatron_ext.depth_state import DepthPlan, DepthState, Entry
 from depthmix.megatron_ext.layout import PipelineLayout
+
+
+@dataclass(frozen=True)
+class Entering:
+    """The entries live when a chunk starts, split by how they reach its rank."""
+
+    sent: Tuple[Entry, ...]
+    """Packed into the transition into the chunk (ordered by name)."""
+    held: Tuple[Entry, ...]
+    """Already on the rank: cached when it ran its previous chunk (``chunk - P``)."""
 
 
 @dataclass(frozen=True)
@@ -58,27 +69,39 @@ class TransportGeometry:
             return self.seq_length // self.tp
         return self.seq_length
 
+    @cached_property
+    def _entering(self) -> Tuple[Entering, ...]:
+        entering = []
+        for chunk in range(self.layout.num_chunks):
+            start = self.layout.start(chunk)
+            prev_on_rank = chunk - self.layout.pp
+            held_before = self.layout.end(prev_on_rank) if prev_on_rank >= 0 else None
+            live = self.plan.live_at(start)
+            # held: written before the rank's previous chunk ended (so it has it already)
+            held = [e for e in live
+                    if held_before is not None and e.version_at(start) < held_before]
+            sent = [e for e in live if e not in held]
+            entering.append(Entering(sent=tuple(sorted(sent, key=lambda e: e.name)),
+                                     held=tuple(held)))
+        return tuple(entering)
+
+    def entering(self, chunk: int) -> Entering:
+        """How the state live at ``chunk``'s first layer reaches its rank: the one split
+        that sending, caching and receiving all read."""
+        return self._entering[chunk]
+
     def sent_into(self, chunk: int) -> List[Entry]:
         """Entries the transition into ``chunk`` carries (ordered by name for packing)."""
-        start = self.layout.start(chunk)
-        prev_on_rank = chunk - self.layout.pp
-        held_before = self.layout.end(prev_on_rank) if prev_on_rank >= 0 else None
-        sent = [
-            e
-            for e in self.plan.live_at(start)
-            if held_before is None or e.version_at(start) >= held_before
-        ]
-        return sorted(sent, key=lambda e: e.name)
+        return list(self.entering(chunk).sent)
 
     def cached_after(self, chunk: int) -> List[Entry]:
         """Entries a rank keeps after running ``chunk`` for its next chunk ``chunk + P``:
-        those live there whose value already exists at the end of ``chunk`` (anything
-        written later arrives with the transition into ``chunk + P``)."""
+        what that chunk holds on entry (anything written later arrives with the
+        transition into ``chunk + P``)."""
         nxt = chunk + self.layout.pp
         if nxt >= self.layout.num_chunks:
             return []
-        start, end = self.layout.start(nxt), self.layout.end(chunk)
-        return [e for e in self.plan.live_at(start) if e.version_at(start) < end]
+        return list(self.entering(nxt).held)
 
     def numel_per_sample(self, entry: Entry) -> int:
         return self.seq_of(entry) * entry.numel_per_token
@@ -219,15 +242,14 @@ class DepthTransport:
         flat = packed.reshape(-1)
         state: DepthState = {}
         offset = 0
-        for entry in self.geo.sent_into(self.chunk):
+        entering = self.geo.entering(self.chunk)
+        for entry in entering.sent:
             shape = self._shape(entry, micro_batch)
             n = math.prod(shape)
             state[entry.name] = flat[offset : offset + n].view(shape)
             offset += n
-        start = self.geo.layout.start(self.chunk)
-        for entry in self.geo.plan.live_at(start):
-            if entry.name not in state:
-                state[entry.name] = self.cache.get(microbatch, entry.name).leaf()
+        for entry in entering.held:
+            state[entry.name] = self.cache.get(microbatch, entry.name).leaf()
         return state
 
     def send(self, state: DepthState, microbatch: int) -> Tensor:

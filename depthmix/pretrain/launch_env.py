@@ -17,6 +17,7 @@ import datetime
 import logging
 import os
 import re
+import socket
 import subprocess
 from typing import Mapping, Optional
 
@@ -144,3 +145,11 @@ def quiet_nonzero_rank_logging(rank: int) -> None:
             handler.close()
     root.setLevel(logging.WARNING)
     logging.getLogger("depthmix").setLevel(logging.WARNING)
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now: the rendezvous port of a world started
+    without a launcher (a plain single process, the tests' spawned ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -24,6 +24,7 @@ from depthmix import cpu_compat
 from depthmix.config.schema import RunConfig
 from depthmix.megatron_ext.model import DepthMixModel
 from depthmix.megatron_ext.transport import DepthStateCache
+from depthmix.pretrain.launch_env import free_port
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,6 @@ def init_distributed(run: RunConfig) -> Topology:
     on_cpu = cpu_compat.activate()
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a plain single process: make it a world of one
-            from depthmix.testing import free_port
-
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         if not on_cpu:
@@ -132,7 +131,3 @@ def unwrap(module) -> DepthMixModel:
     while not isinstance(module, DepthMixModel):
         module = module.module
     return module
-
-
-def depth_cache(model: List[torch.nn.Module]) -> DepthStateCache:
-    return unwrap(model[0]).transport.cache

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from depthmix.pretrain.parallelize import depth_cache, unwrap
+from depthmix.pretrain.parallelize import unwrap
 
 Batch = Dict[str, torch.Tensor]
 
@@ -87,7 +87,7 @@ def run_schedule(model, microbatches: List[Batch], seq_length: int, forward_only
             kwargs["adjust_tensor_shapes_fn"] = geometry.adjust_tensor_shapes_fn(
                 parallel_state.get_pipeline_model_parallel_rank(), micro_batch_size
             )
-    depth_cache(model).reset()
+    chunk.reset_depth_cache()
     step_fn = partial(forward_step, stats=stats) if stats is not None else forward_step
     losses = get_forward_backward_func()(
         forward_step_func=step_fn,
@@ -99,7 +99,7 @@ def run_schedule(model, microbatches: List[Batch], seq_length: int, forward_only
         force_all_reduce=force_all_reduce,
         **kwargs,
     )
-    depth_cache(model).reset()
+    chunk.reset_depth_cache()
     return losses
 
 

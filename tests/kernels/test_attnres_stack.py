@@ -7,7 +7,7 @@ activation recomputation. One process group per world size holds all of its runs
 
 import pytest
 
-from depthmix.kernels.attnres import attnres_reference, fused_attnres
+from depthmix.kernels.attnres import attnres_reference, attnres_triton
 from depthmix.kernels.dispatch import resolve_impl
 from depthmix.testing import assert_same_training, build_model, run_layouts, tiny_run
 
@@ -64,4 +64,4 @@ def test_triton_trains_like_torch(mixer, layout, results):
 def test_mixer_uses_the_resolved_impl(impl, megatron_single):
     model = build_model(make_run("full", "tp1", impl))
     ops = {m.attnres for m in model.modules() if hasattr(m, "attnres")}
-    assert ops == {fused_attnres if impl == "triton" else attnres_reference}
+    assert ops == {attnres_triton if impl == "triton" else attnres_reference}

@@ -7,7 +7,7 @@ multiple of the tile, batch 1 and 3, with and without the fused output norm."""
 import pytest
 import torch
 
-from depthmix.kernels.attnres import attnres_reference, fused_attnres
+from depthmix.kernels.attnres import attnres_reference, attnres_triton
 from depthmix.kernels.attnres.triton import _tiles
 
 # (sources, seq, batch, hidden): tiles are 32 tokens at d=64 and 16 at d=80/96/128, so
@@ -72,7 +72,7 @@ def names(num_sources, norm):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_fp32_matches_reference(case, norm):
     sources, query, key_weight, out_weight, grad = make_inputs(*case)
-    out, w, grads = run(fused_attnres, sources, query, key_weight, out_weight, grad, norm)
+    out, w, grads = run(attnres_triton, sources, query, key_weight, out_weight, grad, norm)
     ref_out, ref_w, ref_grads = run(attnres_reference, sources, query, key_weight, out_weight,
                                     grad, norm)
     assert out.dtype == torch.float32 and w.shape == ref_w.shape == (case[0], case[1], case[2])
@@ -103,7 +103,7 @@ def test_bf16_inputs_match_fp32_reference(case, norm, param_dtype):
     bf16)."""
     sources, query, key_weight, out_weight, grad = make_inputs(
         *case, dtype=torch.bfloat16, param_dtype=param_dtype)
-    out, w, grads = run(fused_attnres, sources, query, key_weight, out_weight, grad, norm)
+    out, w, grads = run(attnres_triton, sources, query, key_weight, out_weight, grad, norm)
     ref_out, ref_w, ref_grads = run(attnres_reference, sources, query, key_weight, out_weight,
                                     grad, norm, upcast=True)
     assert out.dtype == torch.bfloat16 and w.dtype == torch.float32
@@ -118,7 +118,7 @@ def test_bf16_inputs_match_fp32_reference(case, norm, param_dtype):
 
 def test_fp64_inputs_compute_in_fp64():
     sources, query, key_weight, out_weight, grad = make_inputs(6, 11, 3, 80, dtype=torch.float64)
-    out, w, grads = run(fused_attnres, sources, query, key_weight, out_weight, grad, True)
+    out, w, grads = run(attnres_triton, sources, query, key_weight, out_weight, grad, True)
     ref_out, ref_w, ref_grads = run(attnres_reference, sources, query, key_weight, out_weight,
                                     grad, True)
     assert w.dtype == torch.float64
@@ -138,7 +138,7 @@ def test_sources_are_never_stacked(monkeypatch):
 
     monkeypatch.setattr(torch, "stack", refuse)
     monkeypatch.setattr(torch, "cat", refuse)
-    out = fused_attnres(leaves, query, key_weight, out_weight=out_weight)
+    out = attnres_triton(leaves, query, key_weight, out_weight=out_weight)
     out.backward(grad)
     assert all(s.grad is not None for s in leaves)
 
@@ -158,7 +158,7 @@ def test_backward_saves_only_per_token_statistics():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fused_attnres(leaves[:num_sources], *leaves[num_sources:-1], out_weight=leaves[-1])
+        attnres_triton(leaves[:num_sources], *leaves[num_sources:-1], out_weight=leaves[-1])
     tokens = seq * batch
     assert extra and sum(t.numel() for t in extra) <= (2 * num_sources + 1) * tokens
     assert all(t.dtype == torch.float32 and t.shape[-1] == tokens for t in extra)
@@ -166,17 +166,17 @@ def test_backward_saves_only_per_token_statistics():
 
 def test_backward_is_deterministic():
     sources, query, key_weight, out_weight, grad = make_inputs(7, 37, 3, 64)
-    first = run(fused_attnres, sources, query, key_weight, out_weight, grad, True)[2]
-    second = run(fused_attnres, sources, query, key_weight, out_weight, grad, True)[2]
+    first = run(attnres_triton, sources, query, key_weight, out_weight, grad, True)[2]
+    second = run(attnres_triton, sources, query, key_weight, out_weight, grad, True)[2]
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_mismatched_sources_are_refused():
     sources, query, key_weight, _, _ = make_inputs(2, 5, 1, 64)
     with pytest.raises(ValueError, match="source 1"):
-        fused_attnres([sources[0], sources[1][:4]], query, key_weight)
+        attnres_triton([sources[0], sources[1][:4]], query, key_weight)
     with pytest.raises(ValueError, match="at least one source"):
-        fused_attnres([], query, key_weight)
+        attnres_triton([], query, key_weight)
 
 
 def test_tiles_cover_any_hidden_size():

@@ -18,9 +18,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from depthmix.config.schema import ModelConfig
 from depthmix.kernels.attnres import attnres_reference
-from depthmix.kernels.depth_mix.reference import depth_mix
+from depthmix.kernels.depth_mix.reference import depth_mix_reference
 from depthmix.kernels.dispatch import triton_status
-from depthmix.kernels.mhc import mhc_post_res, mhc_read, sinkhorn
+from depthmix.kernels.mhc import mhc_post_res_reference, mhc_read_reference, sinkhorn_reference
 from depthmix.kernels.moda_attention import moda_attention_reference
 from depthmix.megatron_ext.attention import causal_sdpa
 from depthmix.megatron_ext.mixers.mhc import MHCConfig
@@ -32,16 +32,18 @@ MHC = MHCConfig()
 
 
 def _mhc_read(x, phi, alpha, bias):
-    x_in, _, h_post, h_res = mhc_read(x, phi, alpha, bias, MHC.variant, MHC.sinkhorn_iters, EPS)
+    x_in, _, h_post, h_res = mhc_read_reference(x, phi, alpha, bias, MHC.variant,
+                                                 MHC.sinkhorn_iters, EPS)
     return x_in, h_post, h_res
 
 
 # (op, first word of the case's shape) -> candidate -> the stack's call on the case's args
 STACK_CALLS = {
-    ("depth_mix", "op"): {"torch": lambda q, k, v, sk, sv: depth_mix(q, k, v, sk, sv)[1]},
+    ("depth_mix", "op"): {"torch": lambda q, k, v, sk, sv: depth_mix_reference(q, k, v, sk, sv)[1]},
     ("depth_mix", "attn+mix"): {
         "sdpa": lambda q, k, v, sk, sv: causal_sdpa(q, k, v),
-        "torch+sdpa": lambda q, k, v, sk, sv: causal_sdpa(q, k, depth_mix(q, k, v, sk, sv)[1]),
+        "torch+sdpa": lambda q, k, v, sk, sv: causal_sdpa(
+            q, k, depth_mix_reference(q, k, v, sk, sv)[1]),
     },
     ("moda_attention", "moda"): {
         "sdpa": lambda q, k, v, dk, dv: causal_sdpa(q, k, v),
@@ -49,9 +51,10 @@ STACK_CALLS = {
     },
     ("attnres", "full"): {"torch": lambda s, q, w: attnres_reference(s, q, w, EPS)},
     ("attnres", "block"): {"torch": lambda s, q, w: attnres_reference(s, q, w, EPS)},
-    ("mhc", "sinkhorn"): {"torch": lambda z, iters: sinkhorn(z, MHC.sinkhorn_iters)},
+    ("mhc", "sinkhorn"): {"torch": lambda z, iters: sinkhorn_reference(z, MHC.sinkhorn_iters)},
     ("mhc", "read"): {"torch": _mhc_read},
-    ("mhc", "post_res"): {"torch": lambda x, y, hp, hr: mhc_post_res(x, y, hp, hr).to(x.dtype)},
+    ("mhc", "post_res"): {
+        "torch": lambda x, y, hp, hr: mhc_post_res_reference(x, y, hp, hr).to(x.dtype)},
 }
 
 

@@ -20,7 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthmix.kernels.depth_mix import MIX_RULES, MIXED_STATES, depth_mix, fused_depth_mix
+from depthmix.kernels.depth_mix import (
+    MIX_RULES,
+    MIXED_STATES,
+    depth_mix_reference,
+    depth_mix_triton,
+)
 
 FP32_TOL = 1e-5
 BF16_TOL = 6e-3
@@ -108,9 +113,9 @@ def assert_matches(ours, ref, tol, max_tol, label):
 def test_fp32_matches_reference(shape, mix_rule, mixed_state):
     inputs = make_inputs(shape)
     a = leaves(inputs)
-    outs, grads, dout = run(fused_depth_mix, a, mix_rule, mixed_state)
+    outs, grads, dout = run(depth_mix_triton, a, mix_rule, mixed_state)
     b = leaves(inputs)
-    ref_outs, ref_grads, _ = run(depth_mix, b, mix_rule, mixed_state, dout)
+    ref_outs, ref_grads, _ = run(depth_mix_reference, b, mix_rule, mixed_state, dout)
     assert_matches(outs, ref_outs, FP32_TOL, FP32_TOL, "forward")
     assert_matches(grads, ref_grads, FP32_TOL, FP32_TOL, "backward")
 
@@ -128,11 +133,12 @@ BF16_CASES = [
 def test_bf16_matches_fp32_reference(shape, mix_rule, mixed_state):
     inputs = make_inputs(shape, torch.bfloat16)
     a = leaves(inputs)
-    outs, grads, dout = run(fused_depth_mix, a, mix_rule, mixed_state)
+    outs, grads, dout = run(depth_mix_triton, a, mix_rule, mixed_state)
     for t in (*outs, *(g for g in grads if g is not None)):
         assert t.dtype == torch.bfloat16
     b = leaves([[y.float() for y in x] if isinstance(x, list) else x.float() for x in inputs])
-    ref_outs, ref_grads, _ = run(depth_mix, b, mix_rule, mixed_state, [g.float() for g in dout])
+    ref_outs, ref_grads, _ = run(depth_mix_reference, b, mix_rule, mixed_state,
+                                 [g.float() for g in dout])
     assert_matches(outs, ref_outs, BF16_TOL, BF16_MAX_TOL, "forward")
     assert_matches(grads, ref_grads, BF16_TOL, BF16_MAX_TOL, "backward")
 
@@ -140,8 +146,8 @@ def test_bf16_matches_fp32_reference(shape, mix_rule, mixed_state):
 def test_fp64_inputs_compute_in_fp64():
     shape = (19, 2, 2, 2, 64, 2, "list")
     inputs = make_inputs(shape, torch.float64)
-    outs, grads, dout = run(fused_depth_mix, leaves(inputs), "softmax", "key_value")
-    ref_outs, ref_grads, _ = run(depth_mix, leaves(inputs), "softmax", "key_value", dout)
+    outs, grads, dout = run(depth_mix_triton, leaves(inputs), "softmax", "key_value")
+    ref_outs, ref_grads, _ = run(depth_mix_reference, leaves(inputs), "softmax", "key_value", dout)
     # the score scale enters the kernel as an fp32 scalar: ~3e-8 relative
     assert_matches(outs, ref_outs, 1e-7, 1e-7, "forward")
     assert_matches(grads, ref_grads, 1e-7, 1e-7, "backward")
@@ -152,7 +158,7 @@ def test_no_sources_is_the_identity(mixed_state):
     """S = 0 (the first layer): the very input tensors come back, no kernel runs."""
     query, key, value, _, _ = make_inputs((5, 1, 2, 2, 64, 1, "list"))
     for src in (None, [], torch.empty(0, 5, 1, 2, 64)):
-        k_out, v_out = fused_depth_mix(query, key, value, src, src, mixed_state=mixed_state)
+        k_out, v_out = depth_mix_triton(query, key, value, src, src, mixed_state=mixed_state)
         assert k_out is key and v_out is value
 
 
@@ -184,7 +190,7 @@ def test_megatron_layout_views_and_packed_sources():
         loss.backward()
         return [k_out, v_out, q_.grad, p_.grad]
 
-    assert_matches(go(fused_depth_mix), go(depth_mix), FP32_TOL, FP32_TOL, "views")
+    assert_matches(go(depth_mix_triton), go(depth_mix_reference), FP32_TOL, FP32_TOL, "views")
 
 
 def test_sources_with_different_strides():
@@ -193,40 +199,40 @@ def test_sources_with_different_strides():
     query, key, value, sk, sv = make_inputs(shape)
     sk[1] = sk[1].transpose(0, 1).contiguous().transpose(0, 1)  # same values, [b, s] memory
     inputs = [query, key, value, sk, sv]
-    outs, grads, dout = run(fused_depth_mix, leaves(inputs), "softmax", "value")
-    ref_outs, ref_grads, _ = run(depth_mix, leaves(inputs), "softmax", "value", dout)
+    outs, grads, dout = run(depth_mix_triton, leaves(inputs), "softmax", "value")
+    ref_outs, ref_grads, _ = run(depth_mix_reference, leaves(inputs), "softmax", "value", dout)
     assert_matches(outs + grads, ref_outs + ref_grads, FP32_TOL, FP32_TOL, "strides")
 
 
 def test_bad_arguments_are_refused():
     query, key, value, sk, sv = make_inputs((5, 1, 2, 2, 64, 2, "list"))
     with pytest.raises(ValueError, match="mix_rule"):
-        fused_depth_mix(query, key, value, sk, sv, mix_rule="max")
+        depth_mix_triton(query, key, value, sk, sv, mix_rule="max")
     with pytest.raises(ValueError, match="mixed_state"):
-        fused_depth_mix(query, key, value, sk, sv, mixed_state="query")
+        depth_mix_triton(query, key, value, sk, sv, mixed_state="query")
     with pytest.raises(ValueError, match="keys of all 2 sources"):
-        fused_depth_mix(query, key, value, None, sv)
+        depth_mix_triton(query, key, value, None, sv)
     with pytest.raises(ValueError, match="1 source keys for 2 source values"):
-        fused_depth_mix(query, key, value, sk[:1], sv, mixed_state="key_value")
+        depth_mix_triton(query, key, value, sk[:1], sv, mixed_state="key_value")
     big = torch.randn(3, 1, 1, 320)
     with pytest.raises(ValueError, match="head dims <= 256"):
-        fused_depth_mix(big, big, big, [big], [big])
+        depth_mix_triton(big, big, big, [big], [big])
 
 
 def test_mixer_uses_the_kernel_for_impl_triton():
     from depthmix.config.megatron import to_transformer_config
-    from depthmix.kernels.depth_mix import get_depth_mix
+    from depthmix.kernels.dispatch import select
     from depthmix.megatron_ext.mixers.depth_attn import DepthAttention
     from depthmix.testing import tiny_run
 
-    assert get_depth_mix("triton") is fused_depth_mix
-    assert get_depth_mix("torch") is depth_mix
-    with pytest.raises(ValueError, match="no implementation 'cuda'"):
-        get_depth_mix("cuda")
+    assert select("depth_mix", "triton") is depth_mix_triton
+    assert select("depth_mix", "torch") is depth_mix_reference
+    with pytest.raises(ValueError, match="impl='cuda' is not resolved"):
+        select("depth_mix", "cuda")
     run_cfg = tiny_run("depth_attn", stride=1)
     run_cfg.mixer.impl = "triton"
     mixer = DepthAttention(to_transformer_config(run_cfg))
-    assert mixer.depth_mix is fused_depth_mix
+    assert mixer.depth_mix is depth_mix_triton
 
 
 
@@ -236,6 +242,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile, make_backend
 from triton.runtime.jit import create_function_from_signature
+from depthmix.kernels._common import acc_dtype, tl_dtype
 from depthmix.kernels.depth_mix import triton as K
 
 backend = make_backend(GPUTarget("cuda", 90, 32))
@@ -257,7 +264,7 @@ srcs = tuple(torch.empty_like(k) for _ in range(n_src))
 lse = torch.empty(s, b, ng)
 strides = [x for t in (q, k, v, k, k) for x in K._heads_strides(t)]
 consts = dict(G=g, NUM_SRC=n_src, SOFTMAX=softmax, MIX_KEYS=True, MIX_VALUES=True,
-              ACC=K._acc_dtype(torch.bfloat16), BLOCK_D=hd, BLOCK_T=16)
+              ACC=tl_dtype(acc_dtype(torch.bfloat16)), BLOCK_D=hd, BLOCK_T=16)
 fwd = build(K.depth_mix_fwd_kernel,
             (q, k, v, srcs, srcs, k, v, lse, s * b, b, ng, hd, *strides, 0.1), consts)
 bwd = build(K.depth_mix_bwd_kernel,

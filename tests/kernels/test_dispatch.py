@@ -29,3 +29,99 @@ def test_triton_in_the_interpreter(monkeypatch):
 def test_unknown_impl_is_refused():
     with pytest.raises(ConfigError, match="mixer.impl"):
         resolve_impl("cuda")
+
+
+# ---------------------------------------------------------------------------------------
+# One kernel pattern: IMPLS per op package, one selector, Triton imported lazily
+# ---------------------------------------------------------------------------------------
+
+KERNEL_OPS = ["attnres", "depth_mix", "mhc", "moda_attention"]
+KERNEL_MIXERS = {"attnres_full": {}, "attnres_block": {"block_size": 2},
+                 "depth_attn": {"stride": 1}, "mhc": {"streams": 2}, "moda": {}}
+"""Every mixer that runs a kernel, with options under which it does."""
+
+
+def test_every_op_package_is_listed():
+    import pathlib
+
+    import depthmix.kernels
+
+    root = pathlib.Path(depthmix.kernels.__file__).parent
+    assert sorted(p.parent.name for p in root.glob("*/__init__.py")) == KERNEL_OPS
+
+
+@pytest.mark.parametrize("op", KERNEL_OPS)
+def test_op_package_names_its_two_implementations(op):
+    import importlib
+
+    from depthmix.kernels.dispatch import select
+
+    package = importlib.import_module(f"depthmix.kernels.{op}")
+    assert set(package.IMPLS) == {"torch", "triton"}
+    assert package.IMPLS["torch"].endswith(f":{op}_reference")
+    assert package.IMPLS["triton"].endswith(f":{op}_triton")
+    assert select(op, "torch") is getattr(package, f"{op}_reference")
+
+
+@pytest.mark.parametrize("op", KERNEL_OPS)
+@pytest.mark.parametrize("impl", ["auto", "cuda", None])
+def test_selector_refuses_an_unresolved_impl(op, impl):
+    from depthmix.kernels.dispatch import select
+
+    with pytest.raises(ValueError, match=f"impl={impl!r} is not resolved"):
+        select(op, impl)
+
+
+@pytest.mark.parametrize("mixer", sorted(KERNEL_MIXERS))
+def test_a_model_with_unresolved_auto_is_refused_at_construction(megatron_single, mixer):
+    """A config that skipped start-up resolution never reaches a kernel call: building
+    the model stops at the first kernel it would pick."""
+    from depthmix.testing import build_model, tiny_run
+
+    run = tiny_run(mixer, **KERNEL_MIXERS[mixer])
+    run.mixer.impl = "auto"
+    with pytest.raises(ValueError, match="impl='auto' is not resolved"):
+        build_model(run)
+
+
+def test_loaded_configs_hold_a_resolved_impl():
+    """The two ways a run config comes to exist: composed from YAML at start-up, and
+    rebuilt from a checkpoint's record (generation, evaluation, export). (Both resolve
+    whatever the mixer; one with a kernel stands for all.)"""
+    from depthmix.config.fingerprint import record, run_from_record
+    from depthmix.config.load import compose_run
+    from depthmix.kernels.dispatch import RESOLVED
+
+    run = compose_run("mixer=moda", "mixer.impl=auto")
+    assert run.mixer.impl in RESOLVED
+    saved = record(run)
+    saved["mixer"]["impl"] = "auto"
+    assert run_from_record(saved).mixer.impl in RESOLVED
+
+
+_WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # ``import triton`` now fails as if it were not installed
+import torch
+from depthmix.testing import build_model, init_single_process, tiny_run
+init_single_process()
+for name, options in {mixers!r}.items():
+    run = tiny_run(name, impl="auto", **options)
+    assert run.mixer.impl == "torch", run.mixer.impl
+    model = build_model(run)
+    ids = torch.randint(0, run.model.vocab_size, (2, run.model.seq_length))
+    model(ids, labels=ids).sum().backward()
+    print("ran", name)
+assert sys.modules["triton"] is None
+"""
+
+
+def test_impl_torch_runs_every_kernel_mixer_without_triton():
+    import subprocess
+    import sys
+
+    script = _WITHOUT_TRITON.format(mixers=KERNEL_MIXERS)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [w for m in KERNEL_MIXERS for w in ("ran", m)]

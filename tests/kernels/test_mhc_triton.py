@@ -3,7 +3,7 @@ Triton's interpreter on CPU (``tests/conftest.py`` sets TRITON_INTERPRET=1 witho
 
 * Sinkhorn-Knopp: forward and backward vs the reference (fp32), vs finite differences
   (fp64 gradcheck), doubly stochastic within 1e-3, finite for huge logits.
-* Launch 1 (``fused_mhc_read``) and launch 2 (``fused_mhc_post_res``): every output and
+* Launch 1 (``mhc_read_triton``) and launch 2 (``mhc_post_res_triton``): every output and
   every input gradient vs the reference, fp32 kernels vs the reference evaluated in fp64 on
   the same inputs, max error <= 2e-6 of the tensor's max (measured <= 4e-7); ids
   ``<variant>-n<streams>-h<hidden>-s<seq>-b<batch>``, tokens ``s*b`` never a multiple of the
@@ -21,12 +21,12 @@ import torch
 
 from depthmix.kernels.mhc import (
     coefficient_width,
-    fused_mhc_post_res,
-    fused_mhc_read,
-    fused_sinkhorn,
-    mhc_post_res,
-    mhc_read,
-    sinkhorn,
+    mhc_post_res_triton,
+    mhc_read_triton,
+    sinkhorn_triton,
+    mhc_post_res_reference,
+    mhc_read_reference,
+    sinkhorn_reference,
 )
 
 FP32_TOL = 2e-6
@@ -89,9 +89,9 @@ def check_read(case, x_dtype, act_tol, coef_tol):
     variant = case[0]
     iters = 20 if case == CASES[0] else 4
     x, phi, alpha, bias, _ = make_inputs(*case, x_dtype=x_dtype)
-    ours = [o for o in fused_mhc_read(x, phi, alpha, bias, variant, iters, 1e-6) if o is not None]
+    ours = [o for o in mhc_read_triton(x, phi, alpha, bias, variant, iters, 1e-6) if o is not None]
     ref_in = [t.detach().double().requires_grad_() for t in (x, phi, alpha, bias)]
-    ref = [o for o in mhc_read(*ref_in, variant, iters, 1e-6) if o is not None]
+    ref = [o for o in mhc_read_reference(*ref_in, variant, iters, 1e-6) if o is not None]
     names = ["x_in", "h_pre", "h_post", "h_res"]
     assert ours[0].dtype == x_dtype and all(o.dtype == torch.float32 for o in ours[1:])
     for name, o, r in zip(names, ours, ref):
@@ -108,12 +108,12 @@ def check_post_res(case, x_dtype, act_tol, coef_tol):
     variant = case[0]
     x, phi, alpha, bias, y = make_inputs(*case, x_dtype=x_dtype)
     with torch.no_grad():
-        _, _, h_post, h_res = mhc_read(x, phi, alpha, bias, variant, 4)
+        _, _, h_post, h_res = mhc_read_reference(x, phi, alpha, bias, variant, 4)
     coeffs = [h_post.requires_grad_()] + ([] if h_res is None else [h_res.requires_grad_()])
-    ours = fused_mhc_post_res(x, y, h_post, h_res)
+    ours = mhc_post_res_triton(x, y, h_post, h_res)
     assert ours.dtype == x_dtype
     ref_in = [t.detach().double().requires_grad_() for t in [x, y] + coeffs]
-    ref = mhc_post_res(*ref_in[:3], ref_in[3] if h_res is not None else None)
+    ref = mhc_post_res_reference(*ref_in[:3], ref_in[3] if h_res is not None else None)
     assert_close("x_new", ours, ref, act_tol)
     (grad,) = upstream([ours.shape], [x_dtype])
     g_ours = torch.autograd.grad(ours, [x, y] + coeffs, grad)
@@ -141,7 +141,7 @@ def test_sinkhorn_matches_reference(n, kind):
     """fp32 forward and backward vs the reference (autograd through the unrolled
     iterations), 37 matrices (the kernel's tile is 64)."""
     z = sinkhorn_logits(kind, 37, n).requires_grad_()
-    ours, ref = fused_sinkhorn(z, 20), sinkhorn(z, 20)
+    ours, ref = sinkhorn_triton(z, 20), sinkhorn_reference(z, 20)
     assert ours.dtype == torch.float32
     assert_close("sinkhorn", ours, ref, 1e-6)
     (g,) = upstream([ours.shape], [torch.float32])
@@ -153,9 +153,9 @@ def test_sinkhorn_matches_reference(n, kind):
 def test_sinkhorn_leading_dims_and_bf16_logits():
     """[s, b, n, n] logits, bf16 in: fp32 out, same as the reference on the bf16 values."""
     z = sinkhorn_logits("spread", 15, 4).view(5, 3, 4, 4).bfloat16()
-    ours = fused_sinkhorn(z, 20)
+    ours = sinkhorn_triton(z, 20)
     assert ours.dtype == torch.float32 and ours.shape == z.shape
-    assert_close("sinkhorn", ours, sinkhorn(z, 20), 1e-6)
+    assert_close("sinkhorn", ours, sinkhorn_reference(z, 20), 1e-6)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -169,7 +169,7 @@ def test_sinkhorn_is_doubly_stochastic(n):
     spread = torch.randn(64, n, n, generator=g)
     for logits in (init, spread) if n > 2 else (init,):
         for dtype in (torch.float32, torch.bfloat16):
-            m = fused_sinkhorn(logits.to(dtype), 20)
+            m = sinkhorn_triton(logits.to(dtype), 20)
             assert (m >= 0).all()
             ones = torch.ones(64, n)
             torch.testing.assert_close(m.sum(-1), ones, rtol=0, atol=1e-3)
@@ -183,15 +183,15 @@ def test_sinkhorn_gradient_matches_finite_differences(iters):
     gradcheck's fast mode (random directions)."""
     g = torch.Generator().manual_seed(0)
     z = torch.randn(3, 4, 4, dtype=torch.float64, generator=g, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: fused_sinkhorn(t, iters), (z,), eps=1e-6,
+    assert torch.autograd.gradcheck(lambda t: sinkhorn_triton(t, iters), (z,), eps=1e-6,
                                     atol=1e-8, rtol=1e-6, fast_mode=True)
 
 
 def test_sinkhorn_huge_logits_stay_finite():
     z = torch.tensor([[[1000.0, 990.0], [-5.0, 995.0]]], requires_grad=True)
-    out = fused_sinkhorn(z, 20)
+    out = sinkhorn_triton(z, 20)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, fused_sinkhorn(z.detach() - 900.0, 20))
+    torch.testing.assert_close(out, sinkhorn_triton(z.detach() - 900.0, 20))
     (d,) = torch.autograd.grad(out, z, torch.randn_like(out))
     assert torch.isfinite(d).all()
 
@@ -232,16 +232,16 @@ def test_fp64_gradcheck(variant):
                               for t in make_inputs(variant, 2, 16, 7, 2))
 
     def read(x, phi, alpha, bias):
-        return tuple(o for o in fused_mhc_read(x, phi, alpha, bias, variant, 4) if o is not None)
+        return tuple(o for o in mhc_read_triton(x, phi, alpha, bias, variant, 4) if o is not None)
 
     assert torch.autograd.gradcheck(read, (x, phi, alpha, bias), eps=1e-6, atol=1e-7,
                                     rtol=1e-5, fast_mode=True)
     with torch.no_grad():
-        _, _, h_post, h_res = mhc_read(x, phi, alpha, bias, variant, 4)
+        _, _, h_post, h_res = mhc_read_reference(x, phi, alpha, bias, variant, 4)
     coeffs = [h_post.requires_grad_()] + ([] if h_res is None else [h_res.requires_grad_()])
 
     def post(x, y, *c):
-        return fused_mhc_post_res(x, y, c[0], c[1] if len(c) > 1 else None)
+        return mhc_post_res_triton(x, y, c[0], c[1] if len(c) > 1 else None)
 
     assert torch.autograd.gradcheck(post, (x, y, *coeffs), eps=1e-6, atol=1e-7, rtol=1e-5,
                                     fast_mode=True)
@@ -253,8 +253,8 @@ def test_backward_is_deterministic():
     x, phi, alpha, bias, y = make_inputs("mhc", 4, 80, 37, 1)
     grads = []
     for _ in range(2):
-        x_in, _, h_post, h_res = fused_mhc_read(x, phi, alpha, bias, "mhc", 4)
-        out = fused_mhc_post_res(x, y * x_in, h_post, h_res)
+        x_in, _, h_post, h_res = mhc_read_triton(x, phi, alpha, bias, "mhc", 4)
+        out = mhc_post_res_triton(x, y * x_in, h_post, h_res)
         grads.append(torch.autograd.grad(out.square().sum(), (x, phi, alpha, bias, y)))
     for a, b in zip(*grads):
         assert torch.equal(a, b)

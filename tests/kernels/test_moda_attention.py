@@ -7,11 +7,7 @@ import math
 import pytest
 import torch
 
-from depthmix.kernels.moda_attention import (
-    moda_attention,
-    moda_attention_reference,
-    moda_depth_weights,
-)
+from depthmix.kernels.moda_attention import moda_attention_reference, moda_depth_weights
 from depthmix.megatron_ext.attention import causal_sdpa
 
 F64 = torch.float64
@@ -70,12 +66,12 @@ def test_reference_matches_loops_fwd_bwd(sq, sk, b, np_, ng, hn, d):
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_public_op_is_the_fused_kernel_and_impl_selects():
-    from depthmix.kernels.moda_attention import get_moda_attention, moda_attention_triton
+def test_impl_selects_the_reference_or_the_fused_kernel():
+    from depthmix.kernels.dispatch import select
+    from depthmix.kernels.moda_attention import moda_attention_triton
 
-    assert moda_attention is moda_attention_triton
-    assert get_moda_attention("torch") is moda_attention_reference
-    assert get_moda_attention("triton") is moda_attention_triton
+    assert select("moda_attention", "torch") is moda_attention_reference
+    assert select("moda_attention", "triton") is moda_attention_triton
 
 
 def test_visibility_rule():

@@ -91,21 +91,14 @@ def test_layout_matches_single_rank(mixer, layout, reference, layout_results):
 def test_bytes_sent_follow_the_plan(mixer, layout, layout_results):
     """Payload bytes each chunk packed = the transport's per-transition formula."""
     from depthmix.config.megatron import to_transformer_config
-    from depthmix.megatron_ext.depth_state import DepthPlan
     from depthmix.megatron_ext.layout import PipelineLayout
-    from depthmix.megatron_ext.mixers import get_mixer
-    from depthmix.megatron_ext.transport import TransportGeometry
+    from depthmix.megatron_ext.transport import geometry_of
 
     world, parallel = LAYOUTS[layout]
     run = make_run(mixer, **parallel)
     config = to_transformer_config(run)
     p = run.parallel
-    geo = TransportGeometry(
-        plan=DepthPlan(get_mixer(run.mixer.name).plan(config, p.tp), config.unrolled_layers),
-        layout=PipelineLayout(config.num_layers, p.pp, p.vp or 1),
-        seq_length=config.seq_length, hidden_size=config.hidden_size, tp=p.tp,
-        sequence_parallel=p.sequence_parallel,
-    )
+    geo = geometry_of(config, PipelineLayout(config.num_layers, p.pp, p.vp or 1), p.tp)
     steps, micro = 3, run.train.micro_batch_size
     num_micro = run.train.global_batch_size // micro
     measured = layout_results(layout)[mixer]["bytes_sent"]

@@ -34,13 +34,11 @@ minutes here and says nothing about GPUs).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from depthmix.kernels.attnres import attnres_reference, fused_attnres
-from depthmix.kernels.bench_case import Case
-from depthmix.kernels.dispatch import triton_status
+from depthmix.kernels.bench_case import Case, implementations
 
 HIDDEN, NUM_LAYERS, BLOCK_SIZE, EPS = 2048, 48, 12, 1e-6
 
@@ -124,12 +122,8 @@ def _label(shape: Shape) -> str:
 def cases(smoke: bool) -> list:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    ops: Dict[str, Callable] = {}
-    if triton_status()[0] and fused_attnres is not None:
-        ops["ours"] = fused_attnres
-    ops["torch"] = attnres_reference
+    ops = implementations("attnres", cuda)
     if cuda:
-        ops["compile"] = torch.compile(attnres_reference, dynamic=False)
         for name, public in (("fla", _fla_attnres()), ("flash-attn-res", _flash_attn_res())):
             if public is not None:
                 ops[name] = public

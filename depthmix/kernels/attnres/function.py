@@ -1,4 +1,4 @@
-"""``fused_attnres``: the Triton kernels behind one ``torch.autograd.Function``."""
+"""``attnres_triton``: the Triton kernels behind one ``torch.autograd.Function``."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class AttnResFunction(torch.autograd.Function):
         return (dquery, dkey, dout_weight, None, None, None, *dsources)
 
 
-def fused_attnres(
+def attnres_triton(
     sources: Sequence[Tensor],
     query: Tensor,
     key_weight: Tensor,

@@ -7,8 +7,8 @@ gives the weights, and the output is the weighted sum of the raw sources::
     a_s = softmax_s( w . RMSNorm(v_s) )           (fp32, over the S sources)
     out = sum_s a_s v_s                            (optionally followed by an RMSNorm)
 
-This is the op boundary of issue 9's Triton kernel (``kernels/attnres/triton.py``, to
-come): the kernel takes the same arguments, with the sources passed as a pointer table
+It is the contract of the Triton kernel (``attnres_triton``, ``triton.py``): the kernel
+takes the same arguments, with the sources passed as a pointer table
 rather than stacked, and in backward keeps only per-token statistics (each source's
 inverse RMS and the softmax log-normaliser, ``[S, *]`` and ``[*]`` floats) instead of the
 stacked fp32 copy this reference materialises.

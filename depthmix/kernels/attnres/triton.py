@@ -5,8 +5,9 @@ power of two; lanes past ``d`` are masked). The ``S`` sources are separate tenso
 passed as a **pointer table**: an int64 device tensor holding each source's
 ``data_ptr()``, cast back to a typed pointer inside the kernel. Nothing is stacked, the
 number of sources is a runtime loop bound (one compiled kernel serves every sublayer of
-Full and Block AttnRes), and the table costs one 8-byte-per-source host-to-device copy
-per call.
+Full and Block AttnRes), and the table costs one asynchronous 8-byte-per-pointer copy
+from pinned host memory per launch (the backward's sources and gradients share one
+table), so building it never waits for the device.
 
 Forward (one pass over the sources, online softmax; ``qg = w * g`` so that the logit
 ``w . (g * y r) = r (y . qg)`` needs no normalised copy of ``y``)::
@@ -43,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from depthmix.kernels._common import acc_dtype, sm_count, tl_dtype
 
 MAX_HIDDEN = 16384
 """Largest hidden size: the kernels keep a token's whole row in registers."""
@@ -199,10 +202,6 @@ def attnres_bwd_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-def _acc_dtype(dtype: torch.dtype) -> Tuple[torch.dtype, tl.dtype]:
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
-
-
 def _tiles(d: int) -> Tuple[int, int, int]:
     """(BT tokens, BD hidden lanes, num_warps) for hidden size ``d``: about 2K elements
     per program, 8 per thread (a 16-byte vector for bf16)."""
@@ -212,17 +211,25 @@ def _tiles(d: int) -> Tuple[int, int, int]:
     return bt, bd, warps
 
 
-def _pointer_table(tensors: Sequence[Tensor], device) -> Tensor:
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+def _pointer_table(*groups: Sequence[Tensor], device) -> Tuple[Tensor, ...]:
+    """One int64 device table of the ``data_ptr()`` of every tensor in ``groups`` and a
+    view of it per group. Written into pinned host memory and copied without blocking
+    (the caching host allocator keeps the buffer until the copy has run); each group
+    starts at an even entry so every view keeps the table's 16-byte alignment (one
+    compiled kernel)."""
+    starts, ptrs = [], []
+    for group in groups:
+        starts.append(len(ptrs))
+        ptrs += [t.data_ptr() for t in group] + [0] * (len(group) % 2)
+    host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=device.type == "cuda")
+    table = host.to(device, non_blocking=True)
+    return tuple(table[start:] for start in starts)
 
 
 def _num_programs(tiles: int, device) -> int:
     """Persistent backward grid: a few programs per SM (fixed per device, so the token
     reduction order, and hence the gains' gradients, are deterministic)."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(tiles, 4 * sms))
-    return max(1, min(tiles, 4))  # the interpreter runs programs one after another
+    return max(1, min(tiles, 4 * sm_count(device)))
 
 
 def check_sources(sources: Sequence[Tensor]) -> List[Tensor]:
@@ -253,18 +260,19 @@ def attnres_fwd(
     first = sources[0]
     d = first.shape[-1]
     t = first.numel() // d
-    acc, acc_tl = _acc_dtype(first.dtype)
+    acc = acc_dtype(first.dtype)
     out = torch.empty_like(first)
     z = torch.empty(len(sources), t, dtype=acc, device=first.device)
     rstd = torch.empty_like(z)
     lse = torch.empty(t, dtype=acc, device=first.device)
     bt, bd, warps = _tiles(d)
     norm = out_weight is not None
+    (table,) = _pointer_table(sources, device=first.device)
     attnres_fwd_kernel[(triton.cdiv(t, bt),)](
-        _pointer_table(sources, first.device), query, key_weight,
+        table, query, key_weight,
         out_weight if norm else query, out, z, rstd, lse,
         t, len(sources), eps, out_eps,
-        D=d, BT=bt, BD=bd, NORM=norm, ACC=acc_tl, num_warps=warps,
+        D=d, BT=bt, BD=bd, NORM=norm, ACC=tl_dtype(acc), num_warps=warps,
     )
     return out, z, rstd, lse
 
@@ -285,7 +293,7 @@ def attnres_bwd(
     first = sources[0]
     d = first.shape[-1]
     t = first.numel() // d
-    acc, acc_tl = _acc_dtype(first.dtype)
+    acc = acc_dtype(first.dtype)
     dout = dout.contiguous()
     dsources = [torch.empty_like(y) for y in sources]
     bt, bd, warps = _tiles(d)
@@ -294,11 +302,12 @@ def attnres_bwd(
     norm = out_weight is not None
     dqg = torch.empty(programs, d, dtype=acc, device=first.device)
     dh = torch.empty_like(dqg) if norm else dqg
+    source_table, grad_table = _pointer_table(sources, dsources, device=first.device)
     attnres_bwd_kernel[(programs,)](
-        _pointer_table(sources, first.device), _pointer_table(dsources, first.device),
+        source_table, grad_table,
         query, key_weight, out_weight if norm else query, dout, z, rstd, lse, dqg, dh,
         t, len(sources), out_eps, tiles,
-        D=d, BT=bt, BD=bd, NORM=norm, ACC=acc_tl, num_warps=warps,
+        D=d, BT=bt, BD=bd, NORM=norm, ACC=tl_dtype(acc), num_warps=warps,
     )
     dqg = dqg.sum(0)  # fixed-order reduction of the per-program partials
     dquery = (dqg * key_weight.to(acc)).to(query.dtype)

@@ -1,42 +1,26 @@
 """Depth-Attention's depth step: ``depth_mix`` (and the weights it uses, ``depth_weights``).
 
-``reference.py`` is plain PyTorch with fp32 statistics (``depth_mix``, the source of truth);
-``function.py`` is the fused Triton kernel with the same signature (``fused_depth_mix``,
-imported lazily so that importing this package never needs Triton). :func:`get_depth_mix`
-maps the resolved ``mixer.impl`` to the function that runs.
+``depth_mix_reference`` (``reference.py``) is plain PyTorch with fp32 statistics, the
+source of truth; ``depth_mix_triton`` (``function.py``) is the fused Triton kernel with the
+same signature, imported on first use so that importing this package never needs Triton.
+Modules pick one with ``dispatch.select("depth_mix", impl)``.
 """
 
 from depthmix.kernels.depth_mix.reference import (
     MIX_RULES,
     MIXED_STATES,
-    depth_mix,
+    depth_mix_reference,
     depth_weights,
 )
+from depthmix.kernels.dispatch import lazy_attribute
 
-
-def get_depth_mix(impl: str):
-    """The ``depth_mix`` implementation for a resolved ``mixer.impl``: ``torch`` (the
-    reference) or ``triton`` (:func:`fused_depth_mix`)."""
-    if impl == "auto":  # a config that skipped start-up resolution
-        from depthmix.kernels.dispatch import resolve_impl
-
-        impl = resolve_impl(impl)[0]
-    if impl == "torch":
-        return depth_mix
-    if impl == "triton":
-        from depthmix.kernels.depth_mix.function import fused_depth_mix
-
-        return fused_depth_mix
-    raise ValueError(f"depth_mix has no implementation {impl!r}")
+IMPLS = {"torch": ".reference:depth_mix_reference", "triton": ".function:depth_mix_triton"}
+"""Resolved ``mixer.impl`` -> where the implementation lives."""
 
 
 def __getattr__(name):
-    if name == "fused_depth_mix":
-        from depthmix.kernels.depth_mix.function import fused_depth_mix
-
-        return fused_depth_mix
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_attribute(__name__, name, IMPLS.values())
 
 
-__all__ = ["MIX_RULES", "MIXED_STATES", "depth_mix", "depth_weights", "fused_depth_mix",
-           "get_depth_mix"]
+__all__ = ["IMPLS", "MIX_RULES", "MIXED_STATES", "depth_mix_reference", "depth_mix_triton",
+           "depth_weights"]

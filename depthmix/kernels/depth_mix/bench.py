@@ -19,13 +19,11 @@ Without CUDA one smoke shape runs (fp32, ``ours`` only through the Triton interp
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable
 
 import torch
 
-from depthmix.kernels.bench_case import Case, fla_causal_attention
-from depthmix.kernels.depth_mix.reference import depth_mix
-from depthmix.kernels.dispatch import triton_status
+from depthmix.kernels.bench_case import Case, fla_causal_attention, implementations
 from depthmix.megatron_ext.attention import causal_sdpa
 
 
@@ -71,11 +69,7 @@ def _plain(attention: Callable) -> Callable:
 def cases(smoke: bool) -> list:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    mixes: Dict[str, Callable] = {"torch": depth_mix}
-    if triton_status()[0]:
-        from depthmix.kernels.depth_mix.function import fused_depth_mix
-
-        mixes = {"ours": fused_depth_mix, **mixes}
+    mixes = implementations("depth_mix", cuda)
     attentions = {"sdpa": causal_sdpa}
     fla = fla_causal_attention() if cuda else None
     if fla is not None:
@@ -88,8 +82,6 @@ def cases(smoke: bool) -> list:
                   for t in (4096, 16384, 65536) for g in (1, 4, 8)]
 
     out = []
-    if cuda:
-        mixes["compile"] = torch.compile(depth_mix, dynamic=False)
     for t, heads, g, hd, dtype in shapes:
         label = f"T{t}-G{g}-hd{hd}" + (f"-np{heads}-fp32" if dtype == torch.float32 else "")
         make = _inputs(t, heads, g, hd, NUM_SOURCES, dtype, device)

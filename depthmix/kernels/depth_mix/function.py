@@ -1,4 +1,4 @@
-"""``fused_depth_mix``: the Triton depth step behind one ``torch.autograd.Function``.
+"""``depth_mix_triton``: the Triton depth step behind one ``torch.autograd.Function``.
 
 Saved for backward: the inputs (activations that exist anyway: q/k/v are kept for
 sequence attention's backward, the sources are depth state) and the softmax log-sum-exp,
@@ -74,7 +74,7 @@ def _count(sources: Sources) -> int:
     return sources.shape[0] if isinstance(sources, Tensor) else len(sources)
 
 
-def fused_depth_mix(query: Tensor, key: Tensor, value: Tensor, src_keys: Sources = None,
+def depth_mix_triton(query: Tensor, key: Tensor, value: Tensor, src_keys: Sources = None,
                     src_values: Sources = None, *, mix_rule: str = "softmax",
                     mixed_state: str = "value", scale: Optional[float] = None
                     ) -> Tuple[Tensor, Tensor]:

@@ -80,7 +80,7 @@ def depth_weights(query: Tensor, key: Tensor, src_keys: Sources = None, *,
     return torch.softmax(torch.stack(scores, dim=-1) * scale, dim=-1)  # [s, b, ng, S + 1]
 
 
-def depth_mix(query: Tensor, key: Tensor, value: Tensor, src_keys: Sources = None,
+def depth_mix_reference(query: Tensor, key: Tensor, value: Tensor, src_keys: Sources = None,
               src_values: Sources = None, *, mix_rule: str = "softmax",
               mixed_state: str = "value", scale: Optional[float] = None
               ) -> Tuple[Tensor, Tensor]:

@@ -22,7 +22,6 @@ Layout: ``depth_mix_fwd_kernel``, ``depth_mix_bwd_kernel``, then the host launch
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -30,11 +29,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from depthmix.kernels._common import acc_dtype, interpreting, last_dim_contiguous, tl_dtype
+
 MAX_HEAD_DIM = 256
 
 
 def _configs():
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+    if interpreting() or not torch.cuda.is_available():
         # the interpreter runs programs one by one in numpy: few, large tiles
         return [triton.Config({"BLOCK_T": 64}, num_warps=4)]
     return [triton.Config({"BLOCK_T": bt}, num_warps=w)
@@ -264,18 +265,9 @@ def depth_mix_bwd_kernel(
 
 
 # ---- host launchers ------------------------------------------------------------------------
-def _acc_dtype(dtype: torch.dtype):
-    """fp32 math for 16-bit and fp32 inputs; fp64 stays fp64 (like the reference)."""
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def _heads_strides(x: Tensor) -> Tuple[int, int, int]:
     assert x.stride(-1) == 1, "the head dim must be contiguous"
     return x.stride(0), x.stride(1), x.stride(2)
-
-
-def _unit_stride(x: Optional[Tensor]) -> Optional[Tensor]:
-    return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
 def _shared_strides(sources: Sequence[Tensor]) -> Tuple[Tuple[Tensor, ...], Tuple[int, int, int]]:
@@ -307,7 +299,7 @@ def depth_mix_fwd(query: Tensor, key: Tensor, value: Tensor, src_keys: Sequence[
     """Returns ``(key_out | None, value_out | None, lse | None)``; ``lse [s, b, ng]`` fp32
     (fp64 for fp64 inputs) with ``softmax``. ``src_keys`` are needed for ``softmax`` or
     ``mix_keys``, ``src_values`` for ``mix_values``; both ``S >= 1`` entries like ``key``."""
-    query, key, value = _unit_stride(query), _unit_stride(key), _unit_stride(value)
+    query, key, value = last_dim_contiguous(query, key, value)
     src_k, sk_strides = _shared_strides(src_keys if (softmax or mix_keys) else ())
     src_v, sv_strides = _shared_strides(src_values if mix_values else ())
     num_src = max(len(src_k), len(src_v))
@@ -325,7 +317,7 @@ def depth_mix_fwd(query: Tensor, key: Tensor, value: Tensor, src_keys: Sequence[
         *sk_strides, *sv_strides,
         scale,
         G=g, NUM_SRC=num_src, SOFTMAX=softmax, MIX_KEYS=mix_keys, MIX_VALUES=mix_values,
-        ACC=_acc_dtype(query.dtype), BLOCK_D=block_d,
+        ACC=tl_dtype(acc_dtype(query.dtype)), BLOCK_D=block_d,
     )
     return k_out, v_out, lse
 
@@ -338,8 +330,7 @@ def depth_mix_bwd(query: Tensor, key: Tensor, value: Tensor, src_keys: Sequence[
     None where the forward did not depend on that input (``dq``, ``dsrc_keys`` without
     softmax or key mixing, ``dk`` likewise, ``dv``/``dsrc_values`` without value mixing).
     ``dk`` and ``dsrc_keys`` in value mode are the score gradients only."""
-    query, key, value = _unit_stride(query), _unit_stride(key), _unit_stride(value)
-    dk_out, dv_out = _unit_stride(dk_out), _unit_stride(dv_out)
+    query, key, value, dk_out, dv_out = last_dim_contiguous(query, key, value, dk_out, dv_out)
     uses_keys = softmax or mix_keys
     src_k, sk_strides = _shared_strides(src_keys if uses_keys else ())
     src_v, sv_strides = _shared_strides(src_values if mix_values else ())
@@ -367,7 +358,7 @@ def depth_mix_bwd(query: Tensor, key: Tensor, value: Tensor, src_keys: Sequence[
         *(_heads_strides(dv_out) if mix_values else (0, 0, 0)),
         scale,
         G=g, NUM_SRC=num_src, SOFTMAX=softmax, MIX_KEYS=mix_keys, MIX_VALUES=mix_values,
-        ACC=_acc_dtype(query.dtype), BLOCK_D=block_d,
+        ACC=tl_dtype(acc_dtype(query.dtype)), BLOCK_D=block_d,
         BLOCK_S=max(2, triton.next_power_of_2(num_src)),
     )
     return dq, dk, dv, dsk, dsv

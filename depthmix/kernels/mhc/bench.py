@@ -7,7 +7,7 @@ compare with:
 * ``sinkhorn``: the Sinkhorn-Knopp projection alone, ``[T, 1, n, n]`` fp32 logits, the
   default 20 iterations. Issue 9's target is ``ours`` at least 5x faster than ``compile``,
   so on GPU ``compile`` is the ``baseline`` the ratio column divides by (target <= 0.2).
-* ``read``: launch 1 of a sublayer, ``mhc_read`` (RMSNorm of the flattened streams,
+* ``read``: launch 1 of a sublayer, ``mhc_read_reference`` (RMSNorm of the flattened streams,
   coefficient projection, gates, Sinkhorn, ``H_pre X``). Like the stack's
   ``HyperConnection.read``, it returns what the sublayer uses: ``x_in``, ``H_post``,
   ``H_res`` (``H_pre`` only feeds statistics).
@@ -33,7 +33,12 @@ import torch
 
 from depthmix.kernels.bench_case import Case
 from depthmix.kernels.dispatch import triton_status
-from depthmix.kernels.mhc.reference import coefficient_width, mhc_post_res, mhc_read, sinkhorn
+from depthmix.kernels.mhc.reference import (
+    coefficient_width,
+    mhc_post_res_reference,
+    mhc_read_reference,
+    sinkhorn_reference,
+)
 
 STREAMS, HIDDEN, ITERS, EPS, VARIANT = 4, 2048, 20, 1e-6, "mhc"
 
@@ -108,15 +113,15 @@ def cases(smoke: bool) -> list:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     ops: Dict[str, Dict[str, Callable]] = {
-        "sinkhorn": {"torch": sinkhorn},
-        "read": {"torch": mhc_read},
-        "post_res": {"torch": mhc_post_res},
+        "sinkhorn": {"torch": sinkhorn_reference},
+        "read": {"torch": mhc_read_reference},
+        "post_res": {"torch": mhc_post_res_reference},
     }
     if triton_status()[0]:
         from depthmix.kernels.mhc import function as fused
 
-        for kind, op in (("sinkhorn", fused.fused_sinkhorn), ("read", fused.fused_mhc_read),
-                         ("post_res", fused.fused_mhc_post_res)):
+        for kind, op in (("sinkhorn", fused.sinkhorn_triton), ("read", fused.mhc_read_triton),
+                         ("post_res", fused.mhc_post_res_triton)):
             ops[kind] = {"ours": op, **ops[kind]}
     if cuda:
         for kind in ops:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from depthmix.kernels.mhc import triton as kernels
+from depthmix.kernels.mhc.reference import MHCOps
 
 
 def _contiguous(t):
@@ -72,7 +73,7 @@ class MHCPostResFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------
 
 
-def fused_sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+def sinkhorn_triton(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """Sinkhorn-Knopp projection of ``exp(logits)`` towards the doubly stochastic matrices
     (Triton; :func:`depthmix.kernels.mhc.reference.sinkhorn`).
 
@@ -86,7 +87,7 @@ def fused_sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     return out.view(logits.shape)
 
 
-def fused_mhc_read(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
+def mhc_read_triton(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
                    variant: str = "mhc", sinkhorn_iters: int = 20, eps: float = 1e-6):
     """Launch 1 of an mHC sublayer (Triton; :func:`depthmix.kernels.mhc.reference.mhc_read`):
     weightless RMSNorm of the flattened streams, the coefficient projection, gates, static
@@ -106,7 +107,7 @@ def fused_mhc_read(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias
             None if h_res is None else h_res.view(*lead, n, n))
 
 
-def fused_mhc_post_res(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor,
+def mhc_post_res_triton(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor,
                        h_res) -> torch.Tensor:
     """New streams ``H_res X + H_post^T y`` (Triton, launch 2;
     :func:`depthmix.kernels.mhc.reference.mhc_post_res`).
@@ -120,3 +121,6 @@ def fused_mhc_post_res(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor,
         x.reshape(-1, n, h), y.reshape(-1, h), h_post.reshape(-1, n),
         None if h_res is None else h_res.reshape(-1, n, n))
     return out.view(x.shape)
+
+
+mhc_triton = MHCOps(read=mhc_read_triton, post_res=mhc_post_res_triton)

@@ -1,7 +1,7 @@
 """mHC / Hyper-Connections stream mixing: the plain PyTorch reference.
 
-This is the op boundary of the future fused kernel (issue 9: RMSNorm of the flattened
-streams, coefficient projection, Sinkhorn-Knopp, stream mix in one pass). Everything is
+It is the contract of the fused kernels (``function.py``: RMSNorm of the flattened
+streams, coefficient projection, Sinkhorn-Knopp and the stream mix in two launches). Everything is
 computed in fp32 (fp64 inputs stay fp64, for tests); callers cast results back to the
 activation dtype.
 
@@ -9,7 +9,7 @@ Notation (one token; leading dimensions ``...`` are the tokens, e.g. ``[s, b]``)
 residual streams of width ``h``, state ``X [n, h]``. One sublayer ``F``::
 
     x_in = H_pre X                     (mhc_pre)
-    X'   = H_res X + H_post^T F(x_in)  (mhc_post_res)
+    X'   = H_res X + H_post^T F(x_in)  (mhc_post_res_reference)
 
 with per-token coefficients from :func:`mhc_coefficients`. The coefficient network of
 one sublayer has a projection ``phi [n*h, m]``, gates ``alpha`` and static biases
@@ -20,7 +20,7 @@ has no ``res`` part (``m = 2n``, ``H_res = I``).
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,7 +33,7 @@ def _acc(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float64 else t.float()
 
 
-def sinkhorn(logits: Tensor, iters: int) -> Tensor:
+def sinkhorn_reference(logits: Tensor, iters: int) -> Tensor:
     """Sinkhorn-Knopp projection of ``exp(logits)`` towards the doubly stochastic matrices.
 
     ``logits [..., n, n]`` -> ``[..., n, n]`` in fp32 (fp64 for fp64 input). The row max is
@@ -64,7 +64,7 @@ def mhc_coefficients(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
         variant: ``mhc`` (Xie et al. 2025):
             ``H_pre = sigmoid(a_pre d_pre + b_pre)``,
             ``H_post = 2 sigmoid(a_post d_post + b_post)``,
-            ``H_res = sinkhorn(a_res d_res + b_res)``;
+            ``H_res = sinkhorn_reference(a_res d_res + b_res)``;
             ``hc`` (Zhu et al. 2025, unconstrained): ``H = b + a tanh(d)`` for all three;
             ``identity``: ``hc`` for pre/post and ``H_res = I``.
             Here ``d = RMSNorm(flatten(x)) @ phi`` (weightless RMSNorm over ``n*h``).
@@ -87,7 +87,7 @@ def mhc_coefficients(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
     if variant == "mhc":
         h_pre = torch.sigmoid(a[0] * d_pre + b_pre)
         h_post = 2.0 * torch.sigmoid(a[1] * d_post + b_post)
-        h_res = sinkhorn((a[2] * d_res + b_res).unflatten(-1, (n, n)), sinkhorn_iters)
+        h_res = sinkhorn_reference((a[2] * d_res + b_res).unflatten(-1, (n, n)), sinkhorn_iters)
         return h_pre, h_post, h_res
     h_pre = b_pre + a[0] * torch.tanh(d_pre)
     h_post = b_post + a[1] * torch.tanh(d_post)
@@ -103,7 +103,7 @@ def mhc_pre(x: Tensor, h_pre: Tensor) -> Tensor:
     return (h_pre.unsqueeze(-2) @ _acc(x)).squeeze(-2)
 
 
-def mhc_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, variant: str = "mhc",
+def mhc_read_reference(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, variant: str = "mhc",
              sinkhorn_iters: int = 20, eps: float = 1e-6
              ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """What a sublayer reads (the first launch of the fused kernel): the coefficients of
@@ -116,7 +116,7 @@ def mhc_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, variant: str =
     return mhc_pre(x, h_pre).to(x.dtype), h_pre, h_post, h_res
 
 
-def mhc_post_res(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor]) -> Tensor:
+def mhc_post_res_reference(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor]) -> Tensor:
     """New streams ``H_res X + H_post^T y``.
 
     ``x [..., n, h]``, sublayer output ``y [..., h]``, ``h_post [..., n]``,
@@ -125,3 +125,15 @@ def mhc_post_res(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor]) 
     x = _acc(x)
     mixed = x if h_res is None else h_res @ x
     return mixed + h_post.unsqueeze(-1) * _acc(y).unsqueeze(-2)
+
+
+class MHCOps(NamedTuple):
+    """The two launches of one mHC sublayer, as one implementation."""
+
+    read: Callable
+    """``(x, phi, alpha, bias, variant, sinkhorn_iters, eps) -> (x_in, h_pre, h_post, h_res)``"""
+    post_res: Callable
+    """``(x, y, h_post, h_res) -> new streams``"""
+
+
+mhc_reference = MHCOps(read=mhc_read_reference, post_res=mhc_post_res_reference)

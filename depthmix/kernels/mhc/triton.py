@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from depthmix.kernels._common import acc_dtype, sm_count, tl_dtype
+
 VARIANT_IDS = {"mhc": 0, "hc": 1, "identity": 2}
 
 
@@ -492,13 +494,8 @@ def mhc_post_res_bwd_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Coefficients / statistics dtype: fp32, or fp64 for fp64 inputs (tests)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _tl(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
+    return tl_dtype(acc_dtype(dtype))
 
 
 def _dot_precision(t: torch.Tensor) -> str:
@@ -516,16 +513,10 @@ def _block_t(t: torch.Tensor) -> int:
     return 32 if t.is_cuda else 16
 
 
-def _sm_count(t: torch.Tensor) -> int:
-    if t.is_cuda:
-        return torch.cuda.get_device_properties(t.device).multi_processor_count
-    return 1
-
-
 def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """``logits [R, n, n]`` (contiguous) -> ``[R, n, n]`` fp32 (fp64 for fp64)."""
     R, n, _ = logits.shape
-    out = torch.empty(logits.shape, dtype=_acc_dtype(logits.dtype), device=logits.device)
+    out = torch.empty(logits.shape, dtype=acc_dtype(logits.dtype), device=logits.device)
     BR = 64
     sinkhorn_fwd_kernel[(triton.cdiv(R, BR),)](
         logits, out, R, iters, N=n, NP=triton.next_power_of_2(n), ACC=_tl(logits.dtype), BR=BR)
@@ -534,7 +525,7 @@ def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
 
 def sinkhorn_bwd(logits: torch.Tensor, grad: torch.Tensor, iters: int) -> torch.Tensor:
     R, n, _ = logits.shape
-    dz = torch.empty(logits.shape, dtype=_acc_dtype(logits.dtype), device=logits.device)
+    dz = torch.empty(logits.shape, dtype=acc_dtype(logits.dtype), device=logits.device)
     BR = 64
     sinkhorn_bwd_kernel[(triton.cdiv(R, BR),)](
         logits, grad, dz, R, iters, N=n, NP=triton.next_power_of_2(n), ACC=_tl(logits.dtype),
@@ -549,7 +540,7 @@ def mhc_read_fwd(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: 
     ``dyn [T, m]`` and ``rstd [T]`` (all fp32; fp64 for fp64 x)."""
     T, n, H = x.shape
     m = phi.shape[1]
-    acc = _acc_dtype(x.dtype)
+    acc = acc_dtype(x.dtype)
     dev = x.device
     NP, P2 = _pad(n)
     x_in = torch.empty((T, H), dtype=x.dtype, device=dev)
@@ -573,7 +564,7 @@ def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_
     one sum over the per-tile partials of the parameter gradients)."""
     T, n, H = x.shape
     m = phi.shape[1]
-    acc = _acc_dtype(x.dtype)
+    acc = acc_dtype(x.dtype)
     dev = x.device
     NP, P2 = _pad(n)
     BT = _block_t(x)
@@ -592,7 +583,7 @@ def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_
     blocks = n * triton.cdiv(H, BH)
     # token chunks: enough programs to fill the GPU (two chunks in the interpreter, so the
     # partial-sum path is exercised by the CPU tests)
-    chunks = max(1, min(tiles, triton.cdiv(4 * _sm_count(x), blocks))) if x.is_cuda \
+    chunks = max(1, min(tiles, triton.cdiv(4 * sm_count(x.device), blocks))) if x.is_cuda \
         else min(tiles, 2)
     per_chunk = triton.cdiv(tiles, chunks)
     chunks = triton.cdiv(tiles, per_chunk)

@@ -1,32 +1,24 @@
 """Mixture-of-depths attention (``moda_attention``).
 
-``moda_attention`` is the fused, flash-style Triton kernel (``triton.py``, autograd in
-``function.py``); ``moda_attention_reference`` is plain PyTorch with the same arguments and
-the source of truth. The MoDA core attention picks one from ``mixer.impl``
-(``triton`` / ``torch``) when it is built.
+``moda_attention_reference`` is plain PyTorch, the source of truth;
+``moda_attention_triton`` is the fused, flash-style Triton kernel with the same arguments
+(``triton.py``, autograd in ``function.py``), imported on first use. The MoDA core
+attention picks one with ``dispatch.select("moda_attention", impl)``.
 """
 
-from depthmix.kernels.moda_attention.function import moda_attention_triton
+from depthmix.kernels.dispatch import lazy_attribute
 from depthmix.kernels.moda_attention.reference import (
     moda_attention_reference,
     moda_depth_weights,
 )
 
-moda_attention = moda_attention_triton
-
-IMPLEMENTATIONS = {"torch": moda_attention_reference, "triton": moda_attention_triton}
-"""Resolved ``mixer.impl`` -> implementation."""
-
-
-def get_moda_attention(impl: str):
-    """The ``moda_attention`` implementation for ``mixer.impl`` (``torch``/``triton``;
-    ``auto`` is resolved here if start-up did not)."""
-    if impl == "auto":
-        from depthmix.kernels.dispatch import resolve_impl
-
-        impl = resolve_impl(impl)[0]
-    return IMPLEMENTATIONS[impl]
+IMPLS = {"torch": ".reference:moda_attention_reference",
+         "triton": ".function:moda_attention_triton"}
+"""Resolved ``mixer.impl`` -> where the implementation lives."""
 
 
-__all__ = ["IMPLEMENTATIONS", "get_moda_attention", "moda_attention",
-           "moda_attention_reference", "moda_attention_triton", "moda_depth_weights"]
+def __getattr__(name):
+    return lazy_attribute(__name__, name, IMPLS.values())
+
+
+__all__ = ["IMPLS", "moda_attention_reference", "moda_attention_triton", "moda_depth_weights"]

@@ -38,13 +38,11 @@ Without CUDA one smoke shape runs (fp32, ``ours`` only through the Triton interp
 
 from __future__ import annotations
 
-from typing import Callable, Dict, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
-from depthmix.kernels.bench_case import Case, fla_causal_attention
-from depthmix.kernels.dispatch import triton_status
-from depthmix.kernels.moda_attention.reference import moda_attention_reference
+from depthmix.kernels.bench_case import Case, fla_causal_attention, implementations
 from depthmix.megatron_ext.attention import causal_sdpa
 
 NUM_HEADS, HEAD_DIM, NUM_LAYERS = 16, 128, 48
@@ -130,14 +128,8 @@ def _label(shape: Shape) -> str:
 def cases(smoke: bool) -> list:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    ours: Dict[str, Callable] = {}
-    if triton_status()[0]:
-        from depthmix.kernels.moda_attention.function import moda_attention_triton
-
-        ours["ours"] = moda_attention_triton
-    references: Dict[str, Callable] = {"torch": moda_attention_reference}
-    if cuda:
-        references["compile"] = torch.compile(moda_attention_reference, dynamic=False)
+    references = implementations("moda_attention", cuda)  # torch, compile
+    ours = {"ours": references.pop("ours")} if "ours" in references else {}
     fla = fla_causal_attention() if cuda else None
 
     out = []

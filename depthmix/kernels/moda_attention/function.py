@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from depthmix.kernels._common import last_dim_contiguous
 from depthmix.kernels.moda_attention.reference import _check_shapes
 from depthmix.kernels.moda_attention.triton import (
     Tiles,
@@ -88,6 +89,5 @@ def moda_attention_triton(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
     if tiles is None:
         tiles = default_tiles(hn, np_ // ng, d)
-    q, k, v, kd, vd = (t if t is None or t.stride(-1) == 1 else t.contiguous()
-                       for t in (query, key, value, depth_key, depth_value))
+    q, k, v, kd, vd = last_dim_contiguous(query, key, value, depth_key, depth_value)
     return MoDAAttentionFunction.apply(q, k, v, kd, vd, count, scale, tiles)

@@ -31,8 +31,8 @@ the head dim, so that
   valid entries does not matter (the softmax is permutation invariant), so a slot buffer
   may overwrite the oldest entry in place.
 
-This is the op boundary of issue 9's Triton kernel (``kernels/moda_attention/triton.py``,
-to come): same arguments, one online softmax over the sequence blocks then the token's
+It is the contract of the Triton kernel (``moda_attention_triton``, ``triton.py``): same
+arguments, one online softmax over the sequence blocks then the token's
 depth tile. This reference materialises the ``[b, np, sq, sk + D]`` fp32 scores and
 probabilities (saved for backward): fine for tests and short sequences, the kernel's job
 beyond that.

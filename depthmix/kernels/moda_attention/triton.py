@@ -39,13 +39,14 @@ tokens, which no other program touches). Deterministic: no atomics anywhere.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+from depthmix.kernels._common import interpreting, last_dim_contiguous
 
 LOG2E = 1.4426950408889634
 
@@ -465,10 +466,6 @@ class Tiles:
     num_stages: int = 2
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True) -> Tiles:
     """Tiles for a head dim, group size ``G`` and depth capacity ``D``.
 
@@ -480,7 +477,7 @@ def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True)
     """
     gp = triton.next_power_of_2(group)
     hd = max(16, triton.next_power_of_2(head_dim))
-    if _interpreting():
+    if interpreting():
         block_m, block_n, dkdv_m, dkdv_n, warps, stages = 16, 16, 16, 16, 4, 1
     elif hd <= 128:
         block_m, block_n, dkdv_m, dkdv_n, warps, stages = 128, 64, 64, 64, 8, 2
@@ -518,10 +515,6 @@ def _precision(dtype: torch.dtype) -> str:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"moda_attention (Triton) takes fp32, bf16 or fp16 inputs, not {dtype}")
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32 products
-
-
-def _last_dim_contiguous(*tensors):
-    return [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
 def moda_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -569,7 +562,7 @@ def moda_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     hd_p = max(16, triton.next_power_of_2(hn))
     has_depth = kd is not None and count > 0
     do = do.view(q.shape) if do.is_contiguous() else do.reshape(q.shape)
-    (do,) = _last_dim_contiguous(do)
+    (do,) = last_dim_contiguous(do)
 
     delta = torch.empty_like(lse)
     pre_m = max(16, gp)

@@ -51,8 +51,8 @@ from depthmix.config.mixers.attnres import (  # noqa: F401  (re-exported)
     extra_io_per_token,
     extra_params,
 )
-from depthmix.kernels.attnres import attnres_op
 from depthmix.kernels.attnres.two_phase import inter_block_partials, merge_partial
+from depthmix.kernels.dispatch import select
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthState
 from depthmix.megatron_ext.layer import ResidualOp
@@ -78,7 +78,7 @@ class PseudoQueryRead(MegatronModule):
             mark_mixing_parameter(p, config)
         self.geometry = AttnResGeometry.from_config(config)
         # the op implementation is fixed here, from the start-up resolved mixer.impl
-        self.attnres = attnres_op(config.mixer.impl)
+        self.attnres = select("attnres", config.mixer.impl)
 
     def aggregate(self, state: DepthState, i: int, return_weights: bool = False,
                   ctx: Optional[ForwardContext] = None):

@@ -13,8 +13,8 @@ No parameters, no new persistent state: ``ṽ_l`` goes to the V-cache slot (the 
 module caches whatever keys/values its ``depth_mixer`` returns). The depth state carries
 the source layers' ``(k_j, ṽ_j)`` — attention-side tensors at the rank's local KV heads,
 full sequence — from the writing layer to its last reader, so under pipeline parallelism
-only those cross stages. The math lives in :func:`depthmix.kernels.depth_mix.depth_mix`,
-the boundary of the future fused kernel.
+only those cross stages. The math lives in :func:`depthmix.kernels.depth_mix.depth_mix_reference`,
+the contract of the fused kernel ``depth_mix_triton``.
 
 Sources index the *unrolled* layer sequence (``ctx.layer``). In a looped transformer
 (``model.n_loops > 1``) a layer's own earlier-loop values are added to its sources
@@ -41,7 +41,8 @@ from depthmix.config.mixers.depth_attn import (  # noqa: F401  (re-exported)
     key_name,
     value_name,
 )
-from depthmix.kernels.depth_mix import depth_weights, get_depth_mix
+from depthmix.kernels.depth_mix import depth_weights
+from depthmix.kernels.dispatch import select
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthState
 from depthmix.megatron_ext.specs import (
@@ -74,7 +75,7 @@ class DepthAttention(MegatronModule):
         self.schedule = DepthSchedule.from_config(config)
         self.mix_rule, self.mixed_state = cfg.mix_rule, cfg.mixed_state
         self.carries_keys, self.carries_values = cfg.carries_keys, cfg.mixes_values
-        self.depth_mix = get_depth_mix(cfg.impl)
+        self.depth_mix = select("depth_mix", cfg.impl)
 
     def forward(self, query, key, value, state: DepthState, ctx: ForwardContext):
         layer = ctx.layer  # unrolled index: a looped layer has different sources per loop

@@ -25,7 +25,6 @@ norm reads their mean (``StreamHead``). See ``docs/methods/mhc.md``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 from megatron.core.transformer.module import MegatronModule
@@ -39,18 +38,13 @@ from depthmix.config.mixers.mhc import (  # noqa: F401  (re-exported)
     extra_params,
     mhc_plan,
 )
-from depthmix.kernels.mhc import (
-    coefficient_width,
-    mhc_coefficients,
-    mhc_post_res,
-    mhc_read,
-)
+from depthmix.kernels.dispatch import select
+from depthmix.kernels.mhc import coefficient_width, mhc_coefficients
 from depthmix.megatron_ext.layer import ResidualOp
 from depthmix.megatron_ext.mixers.base import mark_mixing_parameter
 from depthmix.megatron_ext.model import seeded_init
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
 
-log = logging.getLogger("depthmix")
 
 
 def static_bias(variant: str, n: int, home: int) -> torch.Tensor:
@@ -97,12 +91,7 @@ class HyperConnection(ResidualOp):
             mark_mixing_parameter(param, config)
         # The ops, chosen once from mixer.impl: the reference (PyTorch) or the fused Triton
         # kernels (two launches per sublayer: read, post/res), same signatures.
-        if mc.impl == "triton":
-            from depthmix.kernels.mhc import fused_mhc_post_res, fused_mhc_read
-
-            self._read_op, self._post_res_op = fused_mhc_read, fused_mhc_post_res
-        else:
-            self._read_op, self._post_res_op = mhc_read, mhc_post_res
+        self._read_op, self._post_res_op = select("mhc", mc.impl)
 
     def coefficients(self, x):
         return mhc_coefficients(x, self.phi, self.alpha, self.bias, self.variant,
@@ -154,7 +143,4 @@ def get_mhc_model_spec(config):
     residual = ModuleSpec(module=HyperConnection)
     layer = dataclasses.replace(get_decoder_layer_submodules(config),
                                 attn_residual=residual, mlp_residual=residual)
-    if config.mixer.impl == "triton":
-        log.info("mixer=mhc: fused Triton kernels (depthmix.kernels.mhc.fused_mhc_read, "
-                 "fused_mhc_post_res)")
     return get_model_submodules(config, layer, stem=StreamStem, head=StreamHead)

@@ -55,11 +55,8 @@ from depthmix.config.mixers.moda import (  # noqa: F401  (re-exported)
     extra_params,
     moda_plan,
 )
-from depthmix.kernels.moda_attention import (
-    get_moda_attention,
-    moda_attention_reference,
-    moda_depth_weights,
-)
+from depthmix.kernels.dispatch import select
+from depthmix.kernels.moda_attention import moda_attention_reference, moda_depth_weights
 from depthmix.megatron_ext.attention import DepthMixSelfAttention, SDPACoreAttention, causal_sdpa
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.megatron_ext.depth_state import DepthState
@@ -187,7 +184,7 @@ class MoDACoreAttention(SDPACoreAttention):
 
     def __init__(self, config, layer_number: int, **kwargs):
         super().__init__(config, layer_number, **kwargs)
-        self.moda_attention = get_moda_attention(config.mixer.impl)
+        self.moda_attention = select("moda_attention", config.mixer.impl)
 
     def forward(self, query, key, value, attention_mask=None, depth_key=None,
                 depth_value=None, depth_stats=None, **kwargs):

@@ -1,13 +1,13 @@
 """Attention Residuals (Full and Block): the vectorised mixer against a slow reference
-written from the paper's equations, the paper's invariants, decoding, recomputation, the
-plan and the pipeline transport it implies (cross-stage caching)."""
+written from the paper's equations, the paper's invariants, the plan and the
+pipeline transport it implies (cross-stage caching). (Decoding and recomputation:
+test_conformance.py.)"""
 
 import math
 
 import pytest
 import torch
 from resop_reference import (
-    assert_recompute_matches,
     attention_sublayer,
     context,
     embed,
@@ -23,7 +23,7 @@ from depthmix.megatron_ext.depth_state import DepthPlan
 from depthmix.megatron_ext.layout import PipelineLayout
 from depthmix.megatron_ext.mixers.attnres import AttnResGeometry
 from depthmix.megatron_ext.transport import TransportGeometry
-from depthmix.testing import build_model, incremental_logits, tiny_run
+from depthmix.testing import build_model, tiny_run
 
 F64 = torch.float64
 
@@ -95,7 +95,7 @@ def perturb(model, seed=0):
     return model
 
 
-def make(mixer, dtype=F64, mha=False, n_loops=1, recompute=False, eps=None, **options):
+def make(mixer, dtype=F64, mha=False, n_loops=1, eps=None, **options):
     run = tiny_run(mixer, **options)
     if mha:
         run.model.num_query_groups = run.model.num_attention_heads
@@ -105,8 +105,6 @@ def make(mixer, dtype=F64, mha=False, n_loops=1, recompute=False, eps=None, **op
         run.mixer.resolve(run.model)
     if eps is not None:
         run.model.norm_epsilon = eps
-    if recompute:
-        run.parallel.recompute = "full"
     return build_model(run, dtype=dtype)
 
 
@@ -189,26 +187,6 @@ def test_at_init_equals_plain_residual_up_to_norm_epsilon(megatron_single, mixer
     model = make(mixer, eps=1e-30, **options)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), vanilla(ids), rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("mixer,options", TWO_CASES)
-def test_incremental_decoding_matches_full_forward(megatron_single, mixer, options):
-    model = perturb(make(mixer, **options)).eval()
-    ids = ids_for()
-    with torch.no_grad():
-        full = model(ids)
-    inc = incremental_logits(model, ids, prefill=3)
-    torch.testing.assert_close(inc, full, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("mixer,options", TWO_CASES)
-def test_recompute_gives_identical_gradients(megatron_single, mixer, options):
-    """Same forward bit for bit; gradients equal up to fp64 rounding (an entry read by
-    several sublayers of one checkpointed layer has their gradients summed inside the
-    layer's backward first, a different association than without recomputation)."""
-    plain = perturb(make(mixer, **options))
-    recomputed = perturb(make(mixer, recompute=True, **options))
-    assert_recompute_matches(plain, recomputed, ids_for())
 
 
 def test_parameters_marked_for_sp_and_no_weight_decay(megatron_single):

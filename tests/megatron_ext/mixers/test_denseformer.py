@@ -1,10 +1,10 @@
 """DenseFormer: the vectorised mixer against a slow reference from the paper's equations,
-"at init equals vanilla", decoding, recomputation and the exactness of the plan."""
+"at init equals vanilla" and the exactness of the plan. (Decoding and recomputation:
+test_conformance.py.)"""
 
 import pytest
 import torch
 from resop_reference import (
-    assert_recompute_matches,
     context,
     embed,
     ids_for,
@@ -16,12 +16,12 @@ from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
 from depthmix.megatron_ext.depth_state import DepthPlan
 from depthmix.megatron_ext.mixers.denseformer import DWAGeometry
-from depthmix.testing import build_model, incremental_logits, tiny_run
+from depthmix.testing import build_model, tiny_run
 
 F64 = torch.float64
 
 
-def make(dtype=F64, mha=False, n_loops=1, post=False, recompute=False, mixer="denseformer",
+def make(dtype=F64, mha=False, n_loops=1, post=False, mixer="denseformer",
          layers=4, **options):
     run = tiny_run(mixer, **options)
     run.model.num_layers = layers
@@ -30,8 +30,6 @@ def make(dtype=F64, mha=False, n_loops=1, post=False, recompute=False, mixer="de
     run.model.n_loops = n_loops
     if post:
         run.model.norm_position = "post"
-    if recompute:
-        run.parallel.recompute = "full"
     return build_model(run, dtype=dtype)
 
 
@@ -117,23 +115,6 @@ def test_at_init_equals_vanilla_exactly(megatron_single, dilation, period, post)
     ids = ids_for()
     with torch.no_grad():
         assert torch.equal(dense(ids), vanilla(ids))
-
-
-def test_incremental_decoding_matches_full_forward(megatron_single):
-    model = perturb(make(dilation=2, period=1)).eval()
-    ids = ids_for()
-    with torch.no_grad():
-        full = model(ids)
-    inc = incremental_logits(model, ids, prefill=3)
-    torch.testing.assert_close(inc, full, rtol=1e-10, atol=1e-12)
-
-
-def test_recompute_gives_identical_gradients(megatron_single):
-    """Same forward bit for bit; gradients equal up to fp64 rounding (summation order of
-    an entry's gradient inside a checkpointed layer)."""
-    plain = perturb(make(dilation=2, period=1))
-    recomputed = perturb(make(dilation=2, period=1, recompute=True))
-    assert_recompute_matches(plain, recomputed, ids_for())
 
 
 def test_parameters_marked_and_counted(megatron_single):

@@ -1,5 +1,6 @@
 """Depth-Attention (``mixer=depth_attn``): the paper's loops vs the vectorised model, its
-invariants, KV-cached decoding, recomputation, the plan and config validation."""
+invariants, the KV cache's mixed values, the plan and config validation.
+(Decoding and recomputation: test_conformance.py.)"""
 
 import itertools
 import math
@@ -9,7 +10,7 @@ import torch
 
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
-from depthmix.kernels.depth_mix import MIX_RULES, MIXED_STATES, depth_mix, depth_weights
+from depthmix.kernels.depth_mix import MIX_RULES, MIXED_STATES, depth_mix_reference, depth_weights
 from depthmix.megatron_ext.mixers.depth_attn import (
     SOURCE_MODES,
     DepthSchedule,
@@ -20,7 +21,7 @@ from depthmix.megatron_ext.mixers.depth_attn import (
     value_name,
 )
 from depthmix.megatron_ext.mixers.depth_attn_reference import reference_logits, reference_sources
-from depthmix.testing import build_model, incremental_logits, tiny_run
+from depthmix.testing import build_model, tiny_run
 
 SEQ = 8
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -144,10 +145,11 @@ def test_uniform_is_plain_mean():
     k, v = torch.randn(2, s, b, ng, hn, dtype=torch.float64)
     src_k = torch.randn(S, s, b, ng, hn, dtype=torch.float64)
     src_v = torch.randn(S, s, b, ng, hn, dtype=torch.float64)
-    key, value = depth_mix(q, k, v, None, src_v, mix_rule="uniform")
+    key, value = depth_mix_reference(q, k, v, None, src_v, mix_rule="uniform")
     torch.testing.assert_close(value, (v + src_v.sum(0)) / (S + 1), **TOL)
     assert key is k
-    key, value = depth_mix(q, k, v, src_k, src_v, mix_rule="uniform", mixed_state="key_value")
+    key, value = depth_mix_reference(q, k, v, src_k, src_v, mix_rule="uniform",
+                                     mixed_state="key_value")
     torch.testing.assert_close(key, (k + src_k.sum(0)) / (S + 1), **TOL)
     torch.testing.assert_close(value, (v + src_v.sum(0)) / (S + 1), **TOL)
 
@@ -160,17 +162,17 @@ def test_op_boundary_stacked_buffer_list_and_dtypes():
     k, v = torch.randn(2, s, b, ng, hn)
     buf_k, buf_v = torch.randn(2, S + 1, s, b, ng, hn)  # one slot too many: a view of a buffer
     for state in MIXED_STATES:
-        a = depth_mix(q, k, v, buf_k[:S], buf_v[:S], mixed_state=state)
-        c = depth_mix(q, k, v, list(buf_k[:S]), list(buf_v[:S]), mixed_state=state)
+        a = depth_mix_reference(q, k, v, buf_k[:S], buf_v[:S], mixed_state=state)
+        c = depth_mix_reference(q, k, v, list(buf_k[:S]), list(buf_v[:S]), mixed_state=state)
         for x, y in zip(a, c):
             assert torch.equal(x, y)
     w = depth_weights(q.bfloat16(), k.bfloat16(), buf_k[:S].bfloat16())
     assert w.dtype == torch.float32 and w.shape == (s, b, ng, S + 1)
     torch.testing.assert_close(w.sum(-1), torch.ones(s, b, ng))
-    _, value = depth_mix(q.bfloat16(), k.bfloat16(), v.bfloat16(), buf_k[:S].bfloat16(),
+    _, value = depth_mix_reference(q.bfloat16(), k.bfloat16(), v.bfloat16(), buf_k[:S].bfloat16(),
                          buf_v[:S].bfloat16())
     assert value.dtype == torch.bfloat16
-    ref = depth_mix(q, k, v, buf_k[:S], buf_v[:S])[1]
+    ref = depth_mix_reference(q, k, v, buf_k[:S], buf_v[:S])[1]
     torch.testing.assert_close(value.float(), ref, rtol=2e-2, atol=2e-2)
 
 
@@ -183,21 +185,7 @@ def test_looped_model_has_one_stack_of_parameters(megatron_single):
     assert {key_name(j) for j in range(5)} <= set(looped.plan.entries)
 
 
-# ---- 3. KV-cached decoding --------------------------------------------------------------
-@pytest.mark.parametrize("groups, layers, n_loops, state", [
-    (2, 4, 1, "value"), (4, 4, 1, "value"), (2, 4, 1, "key_value"), (2, 2, 2, "value")],
-    ids=["gqa", "mha", "gqa-key_value", "gqa-looped"])
-def test_incremental_decoding_matches_full_forward(groups, layers, n_loops, state,
-                                                   megatron_single):
-    torch.manual_seed(0)
-    run = make_run(groups=groups, layers=layers, n_loops=n_loops, stride=1, mixed_state=state)
-    model = build_model(run, dtype=torch.float64).eval()
-    ids = torch.randint(0, 128, (2, 16))
-    with torch.no_grad():
-        full = model(ids)
-    torch.testing.assert_close(incremental_logits(model, ids, prefill=3), full, **TOL)
-
-
+# ---- 3. the KV cache holds mixed values ------------------------------------------------
 def test_v_cache_holds_mixed_values(megatron_single):
     from depthmix.inference import KVCache
 
@@ -213,27 +201,6 @@ def test_v_cache_holds_mixed_values(megatron_single):
     assert torch.equal(cache.values[1], stored["out"][1])  # the mixed ṽ_1 ...
     assert not torch.allclose(cache.values[1], stored["value"])  # ... not the raw v_1
     assert torch.equal(cache.keys[1], stored["key"])  # keys untouched in value mode
-
-
-# ---- 4. activation recomputation --------------------------------------------------------
-@pytest.mark.parametrize("state", ["value", "key_value"])
-def test_recompute_gives_identical_gradients(state, megatron_single):
-    """fp64, so that only summation order may differ: with mixed keys a source key's gradient
-    sums contributions of several readers, which recomputation adds up in another order
-    (fp32: ~2e-7 relative, i.e. rounding; value mode happens to be bit-identical)."""
-    ids = torch.randint(0, 128, (2, SEQ))
-    labels = torch.randint(0, 128, (2, SEQ))
-    grads = []
-    for recompute in ("none", "full"):
-        run = make_run(stride=1, mixed_state=state)
-        run.parallel.recompute = recompute
-        model = build_model(run, dtype=torch.float64).train()
-        assert model.config.recompute_granularity == (None if recompute == "none" else "full")
-        model(ids, labels=labels).sum().backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    for name, g in grads[0].items():
-        torch.testing.assert_close(g, grads[1][name], rtol=1e-12, atol=1e-12,
-                                   msg=lambda m: f"{name}: {m}")
 
 
 # ---- sources, plan, pipeline bytes, statistics, cost ------------------------------------
@@ -281,15 +248,13 @@ def test_pipeline_bytes_formula(pp, stride, live):
     """Payload per transition = the residual stream + 2 * |live sources| * s * b * ng/tp * hn
     elements (docs/methods/depth_attn.md), straight from the plan. ``live``: chunk ->
     number of sources written before the chunk and read in or after it."""
-    from depthmix.megatron_ext.depth_state import DepthPlan
     from depthmix.megatron_ext.layout import PipelineLayout
-    from depthmix.megatron_ext.transport import TransportGeometry
+    from depthmix.megatron_ext.transport import geometry_of
 
     run = make_run(stride=stride)
     run.parallel.pp = pp
     config = _config(run)
-    geo = TransportGeometry(plan=DepthPlan(depth_attn_plan(config, 1), 4),
-                            layout=PipelineLayout(4, pp), seq_length=16, hidden_size=64)
+    geo = geometry_of(config, PipelineLayout(4, pp), 1)
     b, e, s, ng, hn = 3, 2, 16, 2, 16
     for chunk, n in live.items():
         assert geo.payload_bytes(chunk, b, e) == (s * b * 64 + 2 * n * s * b * ng * hn) * e
@@ -320,7 +285,7 @@ def test_extra_flops_3b():
     assert extra_flops_per_token(config) == expected == 335_872
 
 
-# ---- 5. configuration -------------------------------------------------------------------
+# ---- 4. configuration -------------------------------------------------------------------
 @pytest.mark.parametrize("preset, stride", [("360m", 12), ("500m", 12), ("710m", 16),
                                             ("1p5b", 24), ("3b", 24)])
 def test_default_stride_is_half_the_depth(preset, stride):

@@ -1,7 +1,7 @@
 """MoDA (mixture-of-depths attention): the vectorised mixer against a slow reference written
 from the paper (loops over layers, positions, heads and depth entries), the paper's
-invariants, the RoPE convention, decoding, recomputation, statistics, the plan and the
-pipeline bytes it implies, and config validation."""
+invariants, the RoPE convention, statistics, the plan and the pipeline bytes it implies,
+and config validation. (Decoding and recomputation: test_conformance.py.)"""
 
 import math
 
@@ -12,13 +12,12 @@ from omegaconf import OmegaConf
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
 from depthmix.inference import KVCache
-from depthmix.megatron_ext.depth_state import DepthPlan
 from depthmix.megatron_ext.layout import PipelineLayout
 from depthmix.megatron_ext.mixers import moda as moda_mod
 from depthmix.megatron_ext.mixers.moda import MoDAGeometry, moda_plan
-from depthmix.megatron_ext.transport import TransportGeometry
-from depthmix.testing import build_model, incremental_logits, tiny_run
-from resop_reference import assert_recompute_matches, ids_for, loss_and_grads
+from depthmix.megatron_ext.transport import geometry_of
+from depthmix.testing import build_model, tiny_run
+from resop_reference import ids_for, loss_and_grads
 
 F64 = torch.float64
 
@@ -124,13 +123,11 @@ def reference_logits(model, ids, window=None, stats=None):
 # ---------------------------------------------------------------------------------------
 
 
-def make(dtype=F64, mha=False, norm="pre", recompute=False, mixer="moda", **options):
+def make(dtype=F64, mha=False, norm="pre", mixer="moda", **options):
     run = tiny_run(mixer, **options)
     if mha:
         run.model.num_query_groups = run.model.num_attention_heads
     run.model.norm_position = norm
-    if recompute:
-        run.parallel.recompute = "full"
     return build_model(run, dtype=dtype)
 
 
@@ -288,37 +285,6 @@ def test_unrotated_projected_depth_keys_would_break_the_invariance(megatron_sing
 
 
 # ---------------------------------------------------------------------------------------
-# 3. Incremental decoding, 4. recomputation
-# ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("options,norm,mha,prefill", [
-    ({}, "pre", False, 1),
-    ({"attn_kv_proj": True, "depth_window": 3}, "post", False, 5),
-    ({"ffn_kv_proj": False}, "pre", True, 1),
-    ({"depth_window": 2}, "post", True, 3),
-])
-def test_incremental_decoding_matches_full_forward(megatron_single, options, norm, mha, prefill):
-    model = perturb(make(norm=norm, mha=mha, **options)).eval()
-    ids = ids_for(seq=16)
-    with torch.no_grad():
-        full = model(ids)
-    inc = incremental_logits(model, ids, prefill=prefill)
-    assert inc.shape[1] == 16
-    torch.testing.assert_close(inc, full, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("options,norm", [({}, "pre"),
-                                          ({"attn_kv_proj": True, "depth_window": 3}, "post")])
-def test_recompute_gives_identical_gradients(megatron_single, options, norm):
-    ids = ids_for()
-    plain = perturb(make(norm=norm, **options)).train()
-    recomputed = perturb(make(norm=norm, recompute=True, **options)).train()
-    ga = assert_recompute_matches(plain, recomputed, ids, rtol=0)
-    assert len(ga) == sum(1 for _ in plain.parameters())
-
-
-# ---------------------------------------------------------------------------------------
 # Statistics
 # ---------------------------------------------------------------------------------------
 
@@ -406,16 +372,14 @@ def test_pipeline_bytes_closed_form(megatron_single, pp, vp, tp, sp, options):
     validate(run)
     config = to_transformer_config(run)
     layout = PipelineLayout(config.num_layers, pp, vp)
-    geo = TransportGeometry(plan=DepthPlan(moda_plan(config, tp), config.unrolled_layers),
-                            layout=layout, seq_length=config.seq_length,
-                            hidden_size=config.hidden_size, tp=tp, sequence_parallel=sp)
+    geo = geometry_of(config, layout, tp)
     for chunk in range(1, layout.num_chunks):
         assert geo.payload_bytes(chunk, run.train.micro_batch_size, 4) == \
             closed_form_bytes(run, chunk, layout, tp, sp), f"chunk {chunk}"
 
 
 # ---------------------------------------------------------------------------------------
-# 5. Config validation
+# 3. Config validation
 # ---------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,44 @@
+"""Host-side helpers shared by the Triton launchers (``kernels/<op>/triton.py``).
+
+Nothing here imports Triton at module level, so the dispatcher can use it too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``, tests only)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation / statistics dtype: fp32 for 16-bit and fp32 inputs, fp64 for fp64
+    (like the references)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The ``triton.language`` dtype of a torch float dtype (fp32 or fp64)."""
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.float64: tl.float64}[dtype]
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (the interpreter runs the
+    programs one after another)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def last_dim_contiguous(*tensors: Optional[Tensor]) -> List[Optional[Tensor]]:
+    """Each tensor with unit stride in its last dim (a copy only where it has not; None
+    passes through): what the kernels' row loads assume."""
+    return [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in tensors]
