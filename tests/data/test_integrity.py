@@ -10,7 +10,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 
 from depthmix.config.load import compose_run
 from depthmix.config.schema import ConfigError
-from depthmix.config.validate import validate
+from depthmix.config.preflight import preflight
 from depthmix.data import build_data
 from depthmix.data.corpus import iter_documents
 from depthmix.data.integrity import check_prefix
@@ -121,13 +121,13 @@ def test_token_ids_beyond_the_vocabulary_are_refused(corpora):
 
 def test_training_refuses_a_bad_prefix_at_start_up(tmp_path, corpora, embedded, data_cache,
                                                    make_run):
-    """Both the start-up validation (before any model) and build_data name the prefix."""
+    """Both the start-up preflight (before any model) and build_data name the prefix."""
     prefix = copy_prefix(corpora["large"], str(tmp_path / "mixed"))
     shutil.copy(corpora["small"] + ".idx", prefix + ".idx")
     run = compose_run("data=pile", f"data.prefixes=[0.5,{corpora['small']},0.5,{prefix}]",
-                      f"data.tokenizer={embedded.tokenizer}")
+                      f"data.tokenizer={embedded.tokenizer}", "data.split='80,20,0'")
     with pytest.raises(ConfigError, match=rf"data\.prefixes\[3\]={prefix}: mixed\.bin has"):
-        validate(run, world_size=1)
+        preflight(run, world_size=1)
 
     run = make_run(data_cache)
     run.data.name, run.data.tokenizer = "pile", embedded.tokenizer
