@@ -27,10 +27,12 @@ _IDX_MAGIC = b"MMIDIDX\x00\x00"
 SPLITS = ("train", "valid", "test")
 
 
-def preflight(run: RunConfig, world_size: int) -> None:
-    """Raise :class:`ConfigError` naming the option if this run cannot start."""
+def preflight(run: RunConfig, world_size: int, data: bool = True) -> None:
+    """Raise :class:`ConfigError` naming the option if this run cannot start. ``data``:
+    also check the data options (false when the caller brings its own data)."""
     validate(run, world_size)
-    check_data(run)
+    if data:
+        check_data(run)
     check_save_dir(run)
     from depthmix.pretrain.checkpoint_files import preflight_checkpoint
 

@@ -180,7 +180,6 @@ def prepare(cfg: DictConfig, overrides: Sequence[str], world_size: int = 1) -> E
     from depthmix.config.validate import validate
     from depthmix.inference.load import find_checkpoint
     from depthmix.pretrain import checkpoint as ckpt
-    from depthmix.pretrain.launch_env import validate_launch
 
     composed = resolve(cfg)
     ev: EvalConfig = OmegaConf.to_object(cfg.eval)
@@ -204,7 +203,6 @@ def prepare(cfg: DictConfig, overrides: Sequence[str], world_size: int = 1) -> E
     run.train.micro_batch_size = ev.batch_size
     run.train.global_batch_size = ev.batch_size * max(dp, 1) * run.parallel.pp
     validate(run, world_size)
-    validate_launch(run, world_size)
     datasets = _datasets(ev, run)
     return EvalJob(run=run, eval=ev, checkpoint=path, meta=meta, datasets=datasets,
                    output=_output_path(ev, path), world_size=world_size)

@@ -32,7 +32,9 @@ class Trainer:
         ``(run, dp_rank, dp_size, consumed_train_samples)``, called after callbacks have
         restored a checkpoint's data position."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        preflight(run, world_size)  # before any process group or model exists
+        # before any process group or model exists; data options only matter when the
+        # data comes from them
+        preflight(run, world_size, data=data is None)
         self.run = run
         self.health = HealthGuard(run.train)
         self.topo = init_distributed(run)

@@ -159,7 +159,7 @@ def test_profiler_writes_a_chrome_trace(megatron_single, tmp_path):
 
     from depthmix.config.schema import ConfigError
     from depthmix.pretrain.callbacks import ProfilerCallback
-    from depthmix.pretrain.launch_env import validate_launch
+    from depthmix.config.validate import validate
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import SyntheticData
 
@@ -178,7 +178,7 @@ def test_profiler_writes_a_chrome_trace(megatron_single, tmp_path):
     for bad in ([0, 2], [3, 2], [1]):
         run.train.profile_steps = bad
         with pytest.raises(ConfigError, match="train.profile_steps"):
-            validate_launch(run, 1)
+            validate(run, 1)
 
 
 def test_closing_summary_says_how_the_run_ended(tmp_path, monkeypatch):
