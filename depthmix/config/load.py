@@ -57,7 +57,7 @@ def resolve(cfg: DictConfig) -> RunConfig:
     requested = mixer_cfg.impl
     mixer_cfg.impl, reason = resolve_impl(requested)
     if requested != mixer_cfg.impl or requested == "auto":
-        log.info("mixer.impl=%s -> %s (%s)", requested, mixer_cfg.impl, reason)
+        log.debug("mixer.impl=%s -> %s (%s)", requested, mixer_cfg.impl, reason)
     name = (cfg.get("run") or {}).get("name")
     return RunConfig(mixer=mixer_cfg, output_dir=cfg.get("output_dir", "."),
                      name=None if name is None else str(name), **groups)

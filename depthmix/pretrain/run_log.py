@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import warnings
 from typing import List, Optional
 
@@ -46,7 +47,17 @@ class ConsoleFormatter(logging.Formatter):
 
 
 class ConsoleHandler(logging.StreamHandler):
-    """A stream handler that writes above the progress bar instead of through it."""
+    """A stream handler that writes above the progress bar instead of through it, always to
+    the current ``sys.stdout`` (a handler configured once in a process must not keep
+    writing to a stream that was replaced since, e.g. by a test's capture)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
     def emit(self, record: logging.LogRecord) -> None:
         if _bar is None:

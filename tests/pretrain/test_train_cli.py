@@ -11,10 +11,22 @@ pytestmark = pytest.mark.slow
 LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss ([0-9.]+)", re.M)
 
 
+def clean_env(**extra) -> dict:
+    """This process's environment without a process group's rendezvous (an in-process test
+    may have set RANK / MASTER_PORT, which a child would otherwise try to reuse)."""
+    import os
+
+    env = dict(os.environ, **extra)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID", "DEPTHMIX_RUN_KEY"):
+        env.pop(key, None)
+    return env
+
+
 def train(tmp_path, *overrides, timeout=600):
     cmd = [sys.executable, "-m", "depthmix.pretrain.train", "logger=none",
            f"hydra.run.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -41,7 +53,7 @@ def test_every_mixer_learns_in_one_multirun(tmp_path):
            "model=tiny", "model.num_layers=6", f"mixer={','.join(mixers)}", "train.steps=30",
            "train.log_interval=30",
            "train.eval_interval=0", "train.micro_batch_size=16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = re.split(r"^\[[^\]]*\]\[HYDRA\]\s+#\d+ : ", proc.stdout, flags=re.M)[1:]
     assert len(jobs) == len(mixers), proc.stdout[-3000:]
@@ -65,11 +77,9 @@ def depthmix_train(args, cwd, cache, timeout=300):
     WANDB_SILENT, no DEPTHMIX_RUN_KEY, W&B offline (the default logger)."""
     import os
 
-    env = dict(os.environ, DEPTHMIX_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
+    env = clean_env(DEPTHMIX_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    for key in ("WANDB_SILENT", "DEPTHMIX_RUN_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)
+    env.pop("WANDB_SILENT", None)
     exe = os.path.join(os.path.dirname(sys.executable), "depthmix-train")
     proc = subprocess.run([exe, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
