@@ -46,12 +46,12 @@ def hydra_main(cfg: DictConfig) -> None:
         from depthmix.pretrain import dry_run
 
         sys.exit(dry_run.main(run))
+    run_log.quiet_libraries(run.train.verbose)  # before Megatron's import-time info lines
     from depthmix.pretrain.health import EXIT_DIVERGED, TrainingDiverged
     from depthmix.pretrain.trainer import Trainer, default_callbacks  # imports Megatron
 
     launch_env.ensure_distributed_env()  # srun/submitit tasks without torchrun
     launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
-    run_log.quiet_libraries(run.train.verbose)
     try:
         trainer = Trainer(run, callbacks=default_callbacks(run))
     except ConfigError as e:
