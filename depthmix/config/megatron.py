@@ -11,8 +11,26 @@ from depthmix.config.schema import RunConfig
 from depthmix.config.validate import padded_vocab_size  # noqa: F401  (re-exported)
 
 
+class DerivedShape:
+    """Properties derived from a config's shape fields, shared by :class:`PlanConfig` and
+    ``DepthMixConfig`` (both hold ``num_layers``, ``n_loops``, ``kv_channels`` and heads)."""
+
+    @property
+    def unrolled_layers(self) -> int:
+        """Depth of the computation: unique layers times loops."""
+        return self.num_layers * self.n_loops
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels
+
+    @property
+    def group_size(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+
 @dataclass
-class PlanConfig:
+class PlanConfig(DerivedShape):
     """The fields of ``DepthMixConfig`` that mixers' plans and cost hooks and the accounting
     read, built without Megatron (the dry run). Same names and values as the real config."""
 
@@ -28,18 +46,6 @@ class PlanConfig:
     sequence_parallel: bool
     tensor_model_parallel_size: int
     mixer: Any = None
-
-    @property
-    def unrolled_layers(self) -> int:
-        return self.num_layers * self.n_loops
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels
-
-    @property
-    def group_size(self) -> int:
-        return self.num_attention_heads // self.num_query_groups
 
 
 def plan_config(run: RunConfig) -> PlanConfig:

@@ -7,9 +7,11 @@ from typing import Any
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from depthmix.config.megatron import DerivedShape
+
 
 @dataclass
-class DepthMixConfig(TransformerConfig):
+class DepthMixConfig(TransformerConfig, DerivedShape):
     """One config object passed to every module, in Megatron's idiom.
 
     The mixer-specific options live in the nested ``mixer`` dataclass (one per method, see
@@ -29,16 +31,3 @@ class DepthMixConfig(TransformerConfig):
     init_seed: int = 1234
     """Base seed of the layout-invariant initialisation (see ``model.seeded_init``)."""
     extra: dict = field(default_factory=dict)
-
-    @property
-    def unrolled_layers(self) -> int:
-        """Depth of the computation: unique layers times loops."""
-        return self.num_layers * self.n_loops
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels
-
-    @property
-    def group_size(self) -> int:
-        return self.num_attention_heads // self.num_query_groups
