@@ -75,6 +75,10 @@ def hydra_main(cfg: DictConfig) -> None:
     from depthmix.evaluate.job import prepare
     from depthmix.pretrain.parallelize import destroy_distributed
 
+    from depthmix.pretrain.run_log import quiet_libraries, startup_warnings
+
+    startup_warnings.start()  # Megatron's import-time notices and config dumps: held back,
+    quiet_libraries(verbose=False)  # as in training
     launch_env.ensure_distributed_env()
     launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -220,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from depthmix.pretrain.run_log import quiet_libraries, startup_warnings
+
+    startup_warnings.start()  # Megatron's import-time notices: held back, as in training
+    quiet_libraries(verbose=False)
     try:
         out = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer)
     except ConfigError as e:

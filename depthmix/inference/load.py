@@ -68,6 +68,19 @@ def load_model(path: str, impl: str = "torch", dtype: Optional[torch.dtype] = No
     the weights after loading (default: the training precision). Initialises a world of
     one process (gloo on CPU) when no process group exists.
     """
+    from depthmix.pretrain.run_log import quiet_libraries, startup_warnings
+
+    # Megatron's import-time notices are library noise here, as in training (held back)
+    startup_warnings.start()
+    quiet_libraries(verbose=False)
+    try:
+        return _load_model(path, impl, dtype, device, option)
+    finally:
+        startup_warnings.stop()
+
+
+def _load_model(path: str, impl: str, dtype: Optional[torch.dtype],
+                device: Optional[torch.device], option: str) -> LoadedModel:
     from megatron.core import dist_checkpointing
 
     from depthmix.config.megatron import to_transformer_config
