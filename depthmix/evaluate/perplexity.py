@@ -54,21 +54,15 @@ def pooled(results: List[DatasetResult]) -> DatasetResult:
 
 
 class Evaluator:
-    """This rank's model chunks at the run's layout, with a checkpoint's weights.
-
-    It has the attributes :func:`depthmix.pretrain.checkpoint.load` reads from a trainer
-    (``run``, ``topo``, ``model``, no ``optimizer``)."""
-
-    optimizer = None
-    step = 0
-    consumed_samples = 0
+    """This rank's model chunks at the run's layout, with a checkpoint's weights."""
 
     def __init__(self, run: RunConfig, checkpoint: str):
         self.run = run
         self.topo = init_distributed(run)
         self.config = to_transformer_config(run)
         self.model = build_model(run, self.config, self.topo)
-        self.meta = ckpt.load(self, checkpoint, weights_only=True)
+        self.meta = ckpt.load(checkpoint, run=run, model=self.model, topo=self.topo,
+                              weights_only=True).meta
 
     def evaluate(self, dataset, batch_size: int, num_microbatches: int) -> DatasetResult:
         """Loss over all windows of ``dataset`` (a :class:`depthmix.evaluate.job.Dataset`);

@@ -91,8 +91,10 @@ class DepthMixQwen3Attention(Qwen3Attention):
         mixed = sum(weights[..., n, None] * v.to(acc) for n, v in enumerate(values))
         return mixed.to(value.dtype)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
-                **kwargs):
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None,
+                past_key_values=None, **kwargs):
+        # transformers >= 5.24 passes the KV cache as ``cache``, earlier ones as ``past_key_values``
+        cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
@@ -105,9 +107,8 @@ class DepthMixQwen3Attention(Qwen3Attention):
             value_states = self.depth_mix(query_states, key_states, value_states)
         self.depth_state[self.layer_idx] = (key_states, value_states)
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states,
-                                                              self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward)
         attn_output, attn_weights = attention_interface(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -30,4 +30,3 @@ class DepthMixConfig(TransformerConfig, DerivedShape):
     """Looped transformer: ``num_layers`` unique layers applied ``n_loops`` times."""
     init_seed: int = 1234
     """Base seed of the layout-invariant initialisation (see ``model.seeded_init``)."""
-    extra: dict = field(default_factory=dict)

@@ -51,7 +51,8 @@ def get_decoder_layer_submodules(config) -> DepthMixLayerSubmodules:
         attn_residual=residual,
         mlp_residual=residual,
     )
-    if getattr(config.mixer, "short_swa_window", 0) > 0:  # seed 004's ShortSWA, any mixer
+    # the Residual Stream Duality paper's ShortSWA, any mixer
+    if getattr(config.mixer, "short_swa_window", 0) > 0:
         from depthmix.megatron_ext.mixers.short_swa import get_short_swa_spec
 
         layer.short_swa = get_short_swa_spec(config)

@@ -162,15 +162,33 @@ class Throughput:
         return out
 
 
-def throughput(trainer, seconds_per_step: float) -> Throughput:
-    """From the wall time of one step (all ranks together)."""
-    if not hasattr(trainer, "_train_flops_per_token"):
-        trainer._train_flops_per_token = flops_per_token(trainer.run, trainer.config)["train"]
-        trainer._peak_tflops = device_peak_tflops(trainer.run)
-    tokens_per_s = trainer.tokens_per_step / seconds_per_step if seconds_per_step else 0.0
-    tflops = trainer._train_flops_per_token * tokens_per_s / trainer.topo.world_size / 1e12
-    mfu = tflops / trainer._peak_tflops if trainer._peak_tflops else None
-    return Throughput(seconds_per_step, tokens_per_s, tflops, mfu)
+class ThroughputMeter:
+    """The one source of tokens/s, TFLOP/s per device and MFU for every logger: the trainer
+    adds each step's wall time (all ranks together) and reads the average at log steps."""
+
+    def __init__(self, train_flops_per_token: float, peak_tflops: Optional[float],
+                 tokens_per_step: int, world_size: int):
+        self.train_flops_per_token, self.peak_tflops = train_flops_per_token, peak_tflops
+        self.tokens_per_step, self.world_size = tokens_per_step, world_size
+        self._seconds, self._steps = 0.0, 0
+
+    @classmethod
+    def of(cls, run: RunConfig, config, world_size: int) -> "ThroughputMeter":
+        return cls(flops_per_token(run, config)["train"], device_peak_tflops(run),
+                   run.train.global_batch_size * run.model.seq_length, world_size)
+
+    def add(self, seconds: float) -> None:
+        self._seconds += seconds
+        self._steps += 1
+
+    def read(self) -> Throughput:
+        """Averaged over the steps added since the last reading."""
+        seconds = self._seconds / max(self._steps, 1)
+        self._seconds, self._steps = 0.0, 0
+        tokens_per_s = self.tokens_per_step / seconds if seconds else 0.0
+        tflops = self.train_flops_per_token * tokens_per_s / self.world_size / 1e12
+        mfu = tflops / self.peak_tflops if self.peak_tflops else None
+        return Throughput(seconds, tokens_per_s, tflops, mfu)
 
 
 def memory_stats() -> Dict[str, float]:

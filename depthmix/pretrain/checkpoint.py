@@ -66,6 +66,7 @@ from depthmix.config.fingerprint import mismatches, record
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import CKPT_OPTIM_FORMATS
 from depthmix.pretrain import integrity, save_guard
+from depthmix.pretrain.state import TrainState
 from depthmix.pretrain.checkpoint_files import (  # noqa: F401  (re-exported)
     TRACKER,
     META,
@@ -81,6 +82,7 @@ from depthmix.pretrain.checkpoint_files import (  # noqa: F401  (re-exported)
     newest_healthy,
     set_health,
     resume_candidates,
+    resume_source,
     default_save_dir,
     check_record,
     preflight_checkpoint,
@@ -120,9 +122,8 @@ class Layout:
     distributed_optimizer: bool
 
     @classmethod
-    def of(cls, trainer) -> "Layout":
-        t = trainer.topo
-        return cls(t.tp, t.pp, t.vp, t.dp, trainer.run.parallel.distributed_optimizer)
+    def of(cls, topo, run) -> "Layout":
+        return cls(topo.tp, topo.pp, topo.vp, topo.dp, run.parallel.distributed_optimizer)
 
     def model_parallel(self) -> tuple:
         return self.tp, self.pp, self.vp
@@ -165,24 +166,26 @@ def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
-def sharded_state_dict(trainer, is_loading: bool, optimizer: bool = True,
+def sharded_state_dict(model, optimizer, scheduler, topo, position: tuple, is_loading: bool,
                        rng: bool = True, optim_format: str = "dp_reshardable") -> dict:
-    """The state of ``trainer`` as Megatron sharded tensors/objects plus common values."""
+    """Model chunks, optimizer and scheduler (when ``optimizer`` is given), RNG states and
+    the data ``position`` (step, consumed samples) as Megatron sharded tensors/objects."""
     state = {}
-    for i, chunk in enumerate(trainer.model):
-        state[_model_key(i, len(trainer.model))] = chunk.module.sharded_state_dict()
-    if optimizer:
+    for i, chunk in enumerate(model):
+        state[_model_key(i, len(model))] = chunk.module.sharded_state_dict()
+    if optimizer is not None:
         metadata = {"distrib_optim_sharding_type": optim_format}
         if is_loading:
             # the distributed optimizer's state tensors must exist to be loaded into
-            for opt in _distributed_optimizers(trainer.optimizer):
+            for opt in _distributed_optimizers(optimizer):
                 opt._init_optimizer_states_with_dummy_values()
-        state["optimizer"] = trainer.optimizer.sharded_state_dict(
+        state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata=metadata)
-        state["scheduler"] = trainer.scheduler.state_dict()
+        state["scheduler"] = scheduler.state_dict()
     if rng:
-        state["rng_state"] = _rng_sharded_object(trainer.topo, None if is_loading else rng_state())
-    state["trainer"] = {"step": trainer.step, "consumed_train_samples": trainer.consumed_samples}
+        state["rng_state"] = _rng_sharded_object(topo, None if is_loading else rng_state())
+    step, consumed = position
+    state["trainer"] = {"step": step, "consumed_train_samples": consumed}
     return state
 
 
@@ -218,10 +221,16 @@ def _load_strategy(path: str, fully_parallel: bool):
 
 
 @save_guard.guarded  # room before, clean failure after: see save_guard
-def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = None) -> str:
-    """Collective: write the checkpoint of ``trainer.step`` and publish it. Returns its path."""
-    t = trainer.run.train
-    step = trainer.step
+def save(root: str, *, run, model, optimizer, scheduler, topo, state: TrainState,
+         keep_last: int = 2, estimate: Optional[int] = None, health: Optional[dict] = None,
+         tokenizer: Optional[str] = None, extra_meta: Optional[dict] = None) -> str:
+    """Collective: write the checkpoint of ``state.step`` and publish it. Returns its path.
+
+    ``estimate``: the expected size in bytes (room is made for it before writing);
+    ``health``: the health record (:meth:`HealthGuard.mark`, default healthy);
+    ``tokenizer``: the run's tokenizer file, copied in."""
+    t = run.train
+    step = state.step
     final = step_dir(root, step)
     tmp = os.path.join(root, f".tmp_iter_{step:07d}")
     rank = dist.get_rank()
@@ -234,26 +243,28 @@ def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = No
         os.makedirs(tmp)
     dist.barrier()
 
-    state = sharded_state_dict(trainer, is_loading=False, optim_format=t.ckpt_optim_format)
-    dist_checkpointing.save(state, tmp, sharded_strategy=_save_strategy(t.ckpt_fully_parallel))
+    sharded = sharded_state_dict(model, optimizer, scheduler, topo,
+                                 (step, state.consumed_samples), is_loading=False,
+                                 optim_format=t.ckpt_optim_format)
+    dist_checkpointing.save(sharded, tmp, sharded_strategy=_save_strategy(t.ckpt_fully_parallel))
     dist.barrier()
-    if rank == 0:
-        _copy_tokenizer(trainer, tmp)
+    if rank == 0 and tokenizer and os.path.isfile(tokenizer):
+        # travels with the weights, so evaluation, generation and export need only the checkpoint
+        shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER))
     files = integrity.manifest(tmp, t.ckpt_integrity, exclude=(META,))  # collective
 
     if rank == 0:
-        layout = Layout.of(trainer)
-        health = getattr(trainer, "health", None)
+        layout = Layout.of(topo, run)
         meta = {
             "format_version": FORMAT_VERSION,
             "step": step,
-            "consumed_train_samples": trainer.consumed_samples,
+            "consumed_train_samples": state.consumed_samples,
             "layout": layout.__dict__,
             "optim_format": t.ckpt_optim_format,
             "world_size": dist.get_world_size(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "record": record(trainer.run),
-            "health": health.mark(trainer) if health is not None else {"healthy": True},
+            "record": record(run),
+            "health": health if health is not None else {"healthy": True},
             "integrity": t.ckpt_integrity,
             "files": files,
             **(extra_meta or {}),
@@ -270,20 +281,9 @@ def save(trainer, root: str, keep_last: int = 2, extra_meta: Optional[dict] = No
         for old_step, path in list_checkpoints(root)[:-keep_last or None] if keep_last > 0 else []:
             if old_step != step and path not in keep:
                 _remove(path)
-    if getattr(trainer, "health", None) is not None:
-        trainer.health.saved(trainer, final)
     dist.barrier()
     log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
     return final
-
-
-def _copy_tokenizer(trainer, directory: str) -> None:
-    """The run's tokenizer file travels with the weights (``tokenizer.json``), so evaluation,
-    generation and export need only the checkpoint."""
-    tokenizer = getattr(getattr(trainer, "data", None), "tokenizer", None)
-    path = getattr(tokenizer, "path", None)
-    if path and os.path.isfile(path):
-        shutil.copyfile(path, os.path.join(directory, TOKENIZER))
 
 
 # ---------------------------------------------------------------------------------------
@@ -291,18 +291,32 @@ def _copy_tokenizer(trainer, directory: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def load(trainer, path: str, weights_only: bool = False) -> dict:
-    """Collective: restore ``trainer`` from the checkpoint directory ``path``.
+@dataclass
+class Loaded:
+    """What :func:`load` restored: the checkpoint's metadata, and its data position (step,
+    consumed samples) unless only weights were loaded."""
 
-    Weights always; optimizer, scheduler, step and data position unless ``weights_only``;
-    RNG states only when the (TP, PP, VP, DP) layout is the one the checkpoint was saved
-    with. Returns the checkpoint's metadata.
+    path: str
+    meta: dict
+    weights_only: bool
+    step: Optional[int] = None
+    consumed_samples: Optional[int] = None
+
+
+def load(path: str, *, run, model, topo, optimizer=None, scheduler=None,
+         weights_only: bool = False) -> Loaded:
+    """Collective: load the checkpoint directory ``path`` into ``model`` (and ``optimizer``,
+    ``scheduler``).
+
+    Weights always; optimizer, scheduler and data position unless ``weights_only`` (or no
+    optimizer: evaluation); RNG states only when the (TP, PP, VP, DP) layout is the one the
+    checkpoint was saved with.
     """
-    t = trainer.run.train
+    t = run.train
     meta = read_meta(path)
-    load_optimizer = not weights_only
+    load_optimizer = not weights_only and optimizer is not None
     saved = Layout(**meta["layout"])
-    now = Layout.of(trainer)
+    now = Layout.of(topo, run)
     same_layout = saved == now
     optim_format = meta.get("optim_format", "dp_reshardable")
     if load_optimizer and saved.distributed_optimizer != now.distributed_optimizer:
@@ -319,33 +333,34 @@ def load(trainer, path: str, weights_only: bool = False) -> dict:
             "or load weights only with train.load_weights_only=true")
 
     start = time.perf_counter()
-    state = sharded_state_dict(trainer, is_loading=True, optimizer=load_optimizer,
-                               rng=same_layout and load_optimizer, optim_format=optim_format)
+    sharded = sharded_state_dict(model, optimizer if load_optimizer else None, scheduler, topo,
+                                 (0, 0), is_loading=True, rng=same_layout and load_optimizer,
+                                 optim_format=optim_format)
     with torch.no_grad():
         strategy = _load_strategy(path, t.ckpt_fully_parallel)
         try:
-            loaded = dist_checkpointing.load(state, path, sharded_strategy=strategy)
-            for i, chunk in enumerate(trainer.model):
-                chunk.module.load_state_dict(loaded[_model_key(i, len(trainer.model))],
-                                             strict=True)
+            loaded = dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
+            for i, chunk in enumerate(model):
+                chunk.module.load_state_dict(loaded[_model_key(i, len(model))], strict=True)
         except (KeyError, RuntimeError, CheckpointingException, CheckpointException) as e:
-            raise _weights_do_not_fit(path, meta, trainer.run, e) from e
+            raise _weights_do_not_fit(path, meta, run, e) from e
         if load_optimizer:
             # each param group carries its own peak/floor LR, which the scheduler prefers
             # to its own: keep the config's (else a resume with a new train.lr ignores it)
-            lrs = [(g.get("max_lr"), g.get("min_lr")) for g in trainer.optimizer.param_groups]
-            with _keep_adam_steps(trainer.optimizer, optim_format):
-                trainer.optimizer.load_state_dict(loaded["optimizer"])
-            _restore_adam_steps(trainer.optimizer)
-            for group, (max_lr, min_lr) in zip(trainer.optimizer.param_groups, lrs):
+            lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
+            with _keep_adam_steps(optimizer, optim_format):
+                optimizer.load_state_dict(loaded["optimizer"])
+            _restore_adam_steps(optimizer)
+            for group, (max_lr, min_lr) in zip(optimizer.param_groups, lrs):
                 if max_lr is not None:
                     group["max_lr"], group["min_lr"] = max_lr, min_lr
-        elif trainer.optimizer is not None:  # None: evaluation builds no optimizer
-            trainer.optimizer.reload_model_params()
+        elif optimizer is not None:
+            optimizer.reload_model_params()
+    result = Loaded(path, meta, weights_only=not load_optimizer)
     if load_optimizer:
-        _load_scheduler(trainer.scheduler, loaded["scheduler"])
-        trainer.step = int(loaded["trainer"]["step"])
-        trainer.consumed_samples = int(loaded["trainer"]["consumed_train_samples"])
+        _load_scheduler(scheduler, loaded["scheduler"])
+        result.step = int(loaded["trainer"]["step"])
+        result.consumed_samples = int(loaded["trainer"]["consumed_train_samples"])
         if same_layout:
             set_rng_state(loaded["rng_state"])
         else:
@@ -354,7 +369,23 @@ def load(trainer, path: str, weights_only: bool = False) -> dict:
     dist.barrier()
     log.info("loaded checkpoint %s (step %d%s) in %.2f s", path, meta["step"],
              "" if load_optimizer else ", weights only", time.perf_counter() - start)
-    return meta
+    return result
+
+
+def resume_point(run, save_dir: str) -> Optional[tuple]:
+    """Collective: the checkpoint a run starts from, as ``(path, weights_only)``, or None:
+    the newest healthy checkpoint with intact files where :func:`resume_source` points;
+    its model record must match the run."""
+    source = resume_source(run, save_dir)
+    if source is None:
+        return None
+    candidates, weights_only, option = source
+    path = first_intact(candidates, run.train.ckpt_integrity)
+    if path is None:
+        raise RuntimeError(f"every checkpoint to resume from is damaged: "
+                           f"{', '.join(candidates)} (see the warnings above)")
+    check_record(path, run, weights_only, option)
+    return path, weights_only
 
 
 def _weights_do_not_fit(path: str, meta: dict, run, error: BaseException) -> ConfigError:

@@ -178,25 +178,37 @@ def check_record(path: str, run, weights_only: bool, source: str = "train.load_d
                       f"{'; '.join(diffs)}. {hint}")
 
 
+def resume_source(run, save_dir: str, warn: bool = True) -> Optional[tuple]:
+    """Where a run starts from: ``(candidates, weights_only, option)`` or None (fresh).
+
+    The save directory's checkpoints if there are any (this run's own progress: a requeued
+    or re-run job continues, loading everything), else ``train.load_dir``'s (it must hold a
+    checkpoint; ``train.load_weights_only=true`` takes only its weights). ``candidates`` as
+    :func:`resume_candidates` orders them; ``option`` names where they came from."""
+    t = run.train
+    candidates = resume_candidates(save_dir, warn=warn)
+    if candidates:
+        return candidates, False, f"train.save_dir={save_dir}"
+    if not t.load_dir:
+        return None
+    candidates = resume_candidates(t.load_dir, warn=warn)
+    if not candidates:
+        raise ConfigError(f"train.load_dir={t.load_dir} holds no checkpoint "
+                          f"(no {TRACKER}, no complete iter_* directory and no {META})")
+    return candidates, t.load_weights_only, "train.load_dir"
+
+
 def preflight_checkpoint(run) -> Optional[str]:
     """What this run would resume from, checked before any process group or model exists:
     the checkpoint path (None: a fresh start). Raises :class:`ConfigError` when
     ``train.load_dir`` holds no checkpoint or when the checkpoint's model record differs
     from ``run`` (each option named; see :func:`check_record`). Files are not verified
     here (that needs all ranks); a damaged checkpoint is replaced at load time."""
-    t = run.train
-    root = default_save_dir(run)
-    candidates = resume_candidates(root, warn=False)
-    weights_only, source = False, f"train.save_dir={root}"
-    if not candidates and t.load_dir:
-        candidates = resume_candidates(t.load_dir, warn=False)
-        weights_only, source = t.load_weights_only, "train.load_dir"
-        if not candidates:
-            raise ConfigError(f"train.load_dir={t.load_dir} holds no checkpoint "
-                              f"(no {TRACKER}, no complete iter_* directory and no {META})")
-    if not candidates:
+    source = resume_source(run, default_save_dir(run), warn=False)
+    if source is None:
         return None
-    check_record(candidates[0], run, weights_only, source)
+    candidates, weights_only, option = source
+    check_record(candidates[0], run, weights_only, option)
     return candidates[0]
 
 

@@ -184,7 +184,7 @@ class HealthGuard:
         """Collective: reload the newest healthy intact checkpoint, keep the data position."""
         from depthmix.pretrain import checkpoint as ckpt
 
-        root = getattr(trainer, "save_dir", None)
+        root = trainer.state.save_dir
         candidates = [p for p in ckpt.resume_candidates(root, warn=False) if ckpt.is_healthy(p)] \
             if root else []
         path = ckpt.first_intact(candidates, self.t.ckpt_integrity) if candidates else None
@@ -194,15 +194,17 @@ class HealthGuard:
             return False
         failed_at, position = trainer.step, trainer.consumed_samples
         self._unconfirmed = None
-        ckpt.load(trainer, path)
+        trainer.load_checkpoint(path)
         skipped = position - trainer.consumed_samples
         trainer.consumed_samples = position  # continue after the data window that failed
         self.rollbacks += 1
         for cb in trainer.callbacks:
             cb.post_restore(trainer)
         if trainer.topo.is_logging_rank:
-            print(f"rolled back from step {failed_at} ({reason}) to {path}; skipping the "
-                  f"{skipped} samples since", flush=True)
+            from depthmix.pretrain.run_log import say
+
+            say(f"rolled back from step {failed_at} ({reason}) to {path}; skipping the "
+                f"{skipped} samples since")
         return True
 
     def mark(self, trainer) -> dict:

@@ -290,14 +290,14 @@ def dir_bytes(path: str) -> int:
     return total
 
 
-def state_bytes(trainer) -> int:
+def state_bytes(model, run, topo) -> int:
     """Collective: bytes of one checkpoint from the parameter count (before the first save):
     weights in their dtype plus Adam's two fp32 moments (and fp32 main weights in bf16/fp16),
     counted once per data-parallel replica group."""
-    mixed = trainer.run.train.precision != "fp32"
+    mixed = run.train.precision != "fp32"
     local = 0
-    if trainer.topo.dp_rank == 0:
-        for chunk in trainer.model:
+    if topo.dp_rank == 0:
+        for chunk in model:
             for p in chunk.parameters():
                 local += p.numel() * (p.element_size() + 8 + (4 if mixed else 0))
     box = torch.tensor([local], dtype=torch.int64)
@@ -383,18 +383,17 @@ class SaveGuard:
         self.root, self.lock, self.estimate = root, lock, estimate
 
     @classmethod
-    def start(cls, trainer, root: str) -> "SaveGuard":
+    def start(cls, root: str, *, run, model, topo, step: int) -> "SaveGuard":
         """Collective, at start-up: lock, writability, room for one checkpoint. Raises
         :class:`ConfigError` (naming ``train.save_dir``) on every rank when refused."""
         watch_children()
-        estimate = state_bytes(trainer)
+        estimate = state_bytes(model, run, topo)
         lock, problem = None, None
         if dist.get_rank() == 0:
             try:
                 check_writable(root)
                 lock = SaveLock(root).acquire()
-                problem = make_room(root, trainer.step, trainer.run.train.keep_last, estimate,
-                                    dry=True)
+                problem = make_room(root, step, run.train.keep_last, estimate, dry=True)
             except (ConfigError, OSError) as e:
                 problem = str(e)
         problem = _broadcast(problem)
@@ -403,7 +402,6 @@ class SaveGuard:
                 lock.release()
             raise ConfigError(problem if problem.startswith("train.save_dir=")
                               else f"train.save_dir={root}: {problem}")
-        trainer.save_estimate = estimate
         return cls(root, lock, estimate)
 
     def close(self) -> None:
@@ -441,13 +439,13 @@ def guarded(save):
     signature = inspect.signature(save)
 
     @functools.wraps(save)
-    def wrapper(trainer, root, *args, **kwargs):
+    def wrapper(root, **kwargs):
         from depthmix.pretrain.checkpoint import latest_checkpoint
 
-        bound = signature.bind(trainer, root, *args, **kwargs)
+        bound = signature.bind(root, **kwargs)
         bound.apply_defaults()
-        keep_last = bound.arguments.get("keep_last", 0)
-        step = trainer.step
+        keep_last, estimate = bound.arguments["keep_last"], bound.arguments["estimate"]
+        step = bound.arguments["state"].step
         tmp = os.path.join(root, f".tmp_iter_{step:07d}")
         watch_children()
         problem = None
@@ -457,8 +455,7 @@ def guarded(save):
                 for name in os.listdir(root):  # leftovers hold space the check must see
                     if name.startswith((".tmp_iter_", ".trash_")):
                         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-                problem = make_room(root, step, keep_last, getattr(trainer, "save_estimate",
-                                                                   None))
+                problem = make_room(root, step, keep_last, estimate)
             except OSError as e:
                 problem = f"cannot prepare {root} for the checkpoint of step {step}: {e}"
         problem = _broadcast(problem)
@@ -466,7 +463,7 @@ def guarded(save):
             log.error("%s", problem)
             raise SaveError(problem)
         try:
-            return save(trainer, root, *args, **kwargs)
+            return save(root, **kwargs)
         except BaseException as exc:
             if dist.get_rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -477,7 +474,7 @@ def guarded(save):
                 free = fmt_bytes(free_bytes(root))
             except Exception:  # noqa: BLE001 - the message must not fail
                 previous, free = None, "unknown"
-            need, _ = needed_bytes(root, getattr(trainer, "save_estimate", None))
+            need, _ = needed_bytes(root, estimate)
             message = (f"saving the checkpoint of step {step} to {root} failed: "
                        f"{_what_ran_out(exc)}. Removed the partial {tmp}; {free} free there "
                        f"now, a checkpoint needs about {fmt_bytes(need)}. "

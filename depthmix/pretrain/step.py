@@ -11,6 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from depthmix.pretrain.accounting import Throughput
 from depthmix.pretrain.parallelize import unwrap
 
 Batch = Dict[str, torch.Tensor]
@@ -50,6 +51,10 @@ class StepResult:
     """Set by :class:`depthmix.pretrain.health.HealthGuard`: counted as a non-finite step."""
     nonfinite_steps: int = 0
     """Non-finite steps so far in this process (for the log line and W&B)."""
+    seconds: float = 0.0
+    """Wall time of the step (data, forward, backward, optimizer), set by the trainer."""
+    perf: Optional[Throughput] = None
+    """On log steps (:meth:`Trainer.is_log_step`): throughput since the previous log step."""
 
 
 def _reduce_loss(losses_reduced: List[dict], device) -> tuple:

@@ -38,25 +38,12 @@ launch_env.register_resolvers()  # at import: submitit's jobs unpickle this modu
 @hydra.main(config_path="../configs", config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
     try:
-        run = resolve(cfg)
-    except ConfigError as e:
+        trainer = _start(cfg)
+    except ConfigError as e:  # the resolved config, the preflight, a checkpoint that does not fit
         print(f"configuration error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    if run.train.dry_run:
-        from depthmix.pretrain import dry_run
-
-        sys.exit(dry_run.main(run))
-    run_log.quiet_libraries(run.train.verbose)  # before Megatron's import-time info lines
     from depthmix.pretrain.health import EXIT_DIVERGED, TrainingDiverged
-    from depthmix.pretrain.trainer import Trainer, default_callbacks  # imports Megatron
 
-    launch_env.ensure_distributed_env()  # srun/submitit tasks without torchrun
-    launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
-    try:
-        trainer = Trainer(run, callbacks=default_callbacks(run))
-    except ConfigError as e:
-        print(f"configuration error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
     diverged = None
     try:
         trainer.train()
@@ -74,6 +61,21 @@ def hydra_main(cfg: DictConfig) -> None:
     from depthmix.pretrain.callbacks.preemption import mark_clean_exit
 
     mark_clean_exit(f"{trainer.stop_reason or 'finished'} at step {trainer.step}")
+
+
+def _start(cfg: DictConfig):
+    """The trainer of this run (restored from its checkpoint), or the dry run's exit."""
+    run = resolve(cfg)
+    if run.train.dry_run:
+        from depthmix.pretrain import dry_run
+
+        sys.exit(dry_run.main(run))
+    run_log.quiet_libraries(run.train.verbose)  # before Megatron's import-time info lines
+    from depthmix.pretrain.trainer import Trainer, default_callbacks  # imports Megatron
+
+    launch_env.ensure_distributed_env()  # srun/submitit tasks without torchrun
+    launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
+    return Trainer(run, callbacks=default_callbacks(run))
 
 
 def _nonzero_rank_overrides() -> list:

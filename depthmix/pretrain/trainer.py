@@ -14,10 +14,14 @@ from megatron.core.distributed import finalize_model_grads
 from depthmix.config.megatron import to_transformer_config
 from depthmix.config.schema import RunConfig
 from depthmix.config.preflight import preflight
+from depthmix.pretrain import checkpoint as ckpt
+from depthmix.pretrain.accounting import ThroughputMeter
 from depthmix.pretrain.callbacks import Callback, ConsoleLogger
 from depthmix.pretrain.health import HealthGuard
 from depthmix.pretrain.optim import build_optimizer
 from depthmix.pretrain.parallelize import build_model, init_distributed
+from depthmix.pretrain.run_log import say
+from depthmix.pretrain.state import TrainState
 from depthmix.pretrain.step import StepResult, eval_step, take, train_step
 
 log = logging.getLogger("depthmix")
@@ -49,11 +53,13 @@ class Trainer:
 
         t = run.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.topo.dp)
-        self.step = 0
-        self.consumed_samples = 0
+        self.meter = ThroughputMeter.of(run, self.config, self.topo.world_size)
+        self.last: Optional[StepResult] = None
+        self.state = TrainState.fresh(ckpt.default_save_dir(run))
+        self.resume()  # before the callbacks and the data, which start from its state
         self.callbacks = list(callbacks) if callbacks is not None else [ConsoleLogger()]
         for cb in self.callbacks:
-            cb.setup(self)  # may restore state (checkpoints) before data is built
+            cb.setup(self)
         if data is None:
             from depthmix.data import build_data
 
@@ -61,7 +67,6 @@ class Trainer:
         if not hasattr(data, "train_iterator"):
             data = data(run, self.topo.dp_rank, self.topo.dp, self.consumed_samples)
         self.data = data
-        self.last: Optional[StepResult] = None
         self.stop_reason: Optional[str] = None
         """Set by :meth:`request_stop` (e.g. preemption); the loop ends after this step."""
 
@@ -92,9 +97,64 @@ class Trainer:
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
 
+    # ---- state --------------------------------------------------------------------------
     @property
-    def tokens_per_step(self) -> int:
-        return self.run.train.global_batch_size * self.run.model.seq_length
+    def step(self) -> int:
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.state.consumed_samples
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        self.state.consumed_samples = value
+
+    def resume(self) -> None:
+        """Continue from the save directory's checkpoint, else ``train.load_dir``'s (see
+        :func:`checkpoint.resume_point`), else start fresh."""
+        point = ckpt.resume_point(self.run, self.state.save_dir)
+        if point is None:
+            return
+        path, weights_only = point
+        loaded = self.load_checkpoint(path, weights_only=weights_only)
+        if self.topo.is_logging_rank:
+            say(f"resumed from {path} at step {loaded.meta['step']}"
+                + (" (weights only)" if weights_only else ""))
+
+    def load_checkpoint(self, path: str, weights_only: bool = False) -> "ckpt.Loaded":
+        """Collective: restore the model (and unless ``weights_only`` the optimizer, schedule,
+        RNG and data position) from the checkpoint directory ``path``."""
+        loaded = ckpt.load(path, run=self.run, model=self.model, topo=self.topo,
+                           optimizer=self.optimizer, scheduler=self.scheduler,
+                           weights_only=weights_only)
+        if loaded.step is not None:
+            self.state.step, self.state.consumed_samples = loaded.step, loaded.consumed_samples
+        self.state.resumed_from, self.state.weights_only = path, loaded.weights_only
+        return loaded
+
+    def save_checkpoint(self, root: Optional[str] = None, keep_last: int = 2,
+                        estimate: Optional[int] = None, extra_meta: Optional[dict] = None) -> str:
+        """Collective: save the current state under ``root`` (default the run's save
+        directory); returns the checkpoint's path."""
+        tokenizer = getattr(getattr(getattr(self, "data", None), "tokenizer", None), "path", None)
+        path = ckpt.save(root or self.state.save_dir, run=self.run, model=self.model,
+                         optimizer=self.optimizer, scheduler=self.scheduler, topo=self.topo,
+                         state=self.state, keep_last=keep_last, estimate=estimate,
+                         health=self.health.mark(self), tokenizer=tokenizer,
+                         extra_meta=extra_meta)
+        self.health.saved(self, path)
+        return path
+
+    # ---- steps ----------------------------------------------------------------------------
+    def is_log_step(self) -> bool:
+        """The first, every ``train.log_interval``-th and the last step."""
+        t = self.run.train
+        return self.step in (1, t.steps) or self.step % t.log_interval == 0
 
     def train_one_step(self, after_backward=None) -> StepResult:
         t0 = time.perf_counter()
@@ -105,6 +165,9 @@ class Trainer:
         result.seconds = time.perf_counter() - t0
         self.step += 1
         self.consumed_samples += self.run.train.global_batch_size
+        self.meter.add(result.seconds)
+        if self.is_log_step():
+            result.perf = self.meter.read()
         self.health.observe(self, result)
         self.last = result
         return result

@@ -47,7 +47,7 @@ def train_and_save(run, root, tokenizer):
     trainer = Trainer(run, data=SyntheticData, callbacks=[])
     trainer.train_one_step()
     trainer.data.tokenizer = HFTokenizer(tokenizer)  # saved beside the weights
-    path = ckpt.save(trainer, root)
+    path = trainer.save_checkpoint(root)
     del trainer
     parallel_state.destroy_model_parallel()
     return path

@@ -33,7 +33,7 @@ def inputs(sq, sk, b, np_, ng, hn, d, dtype=F64, seed=0):
 
 
 def loop_moda(q, k, v, dk, dv):
-    """Seed 003 Alg. 1 without tiling: per query row, causal keys then its depth entries."""
+    """The MoDA paper Alg. 1 without tiling: per query row, causal keys then its depth entries."""
     sq, b, np_, hn = q.shape
     sk, _, ng, _ = k.shape
     grp = np_ // ng

@@ -7,7 +7,7 @@ from depthmix.config.load import compose_run
 from depthmix.config.megatron import to_transformer_config
 from depthmix.megatron_ext.model import DepthMixModel
 
-PRESETS = {  # name: (hidden, ffn, layers, heads, kv heads) from SPEC section 4
+PRESETS = {  # name: (hidden, ffn, layers, heads, kv heads) from the papers' model tables
     "360m": (960, 2540, 24, 15, 15),
     "500m": (1152, 3072, 24, 18, 18),
     "710m": (1280, 3072, 32, 20, 20),

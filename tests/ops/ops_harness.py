@@ -102,7 +102,7 @@ def train(run, callbacks=(), data=SyntheticData) -> tuple:
 
     recorder = Recorder()
     trainer = Trainer(copy.deepcopy(run), data=data, callbacks=[recorder, *callbacks])
-    facts = {"start_step": trainer.step, "resumed_from": getattr(trainer, "resumed_from", None),
+    facts = {"start_step": trainer.step, "resumed_from": trainer.state.resumed_from,
              "params": sum(p.numel() for chunk in trainer.model for p in chunk.parameters()),
              "pp_rank": trainer.topo.pp_rank}
     try:

@@ -79,10 +79,10 @@ def test_peak_table_and_mfu():
     assert acc.device_peak_tflops(run, "Some CPU") is None
     run.train.peak_tflops = 100.0
     assert acc.device_peak_tflops(run, "NVIDIA H100") == 100.0
-    trainer = types.SimpleNamespace(run=run, config=None, tokens_per_step=1000,
-                                    topo=types.SimpleNamespace(world_size=4))
-    trainer._train_flops_per_token, trainer._peak_tflops = 6e9, 100.0
-    perf = acc.throughput(trainer, 0.5)  # 2000 tokens/s x 6 GFLOP over 4 devices = 3 TFLOP/s
+    meter = acc.ThroughputMeter(6e9, 100.0, tokens_per_step=1000, world_size=4)
+    for seconds in (0.25, 0.75):
+        meter.add(seconds)
+    perf = meter.read()  # 2000 tokens/s x 6 GFLOP over 4 devices = 3 TFLOP/s
     assert perf.tokens_per_s == 2000 and perf.tflops_per_device == pytest.approx(3.0)
     assert perf.mfu == pytest.approx(0.03)
 

@@ -36,7 +36,7 @@ def test_crash_while_writing_keeps_the_previous_checkpoint(trainer_factory, monk
     root = t.run.train.save_dir
     for _ in range(2):
         t.train_one_step()
-    ckpt.save(t, root)
+    t.save_checkpoint(root)
     t.train_one_step()
 
     real_save = ckpt.dist_checkpointing.save
@@ -47,16 +47,16 @@ def test_crash_while_writing_keeps_the_previous_checkpoint(trainer_factory, monk
 
     monkeypatch.setattr(ckpt.dist_checkpointing, "save", dies_after_writing)
     with pytest.raises(RuntimeError, match="node lost power"):
-        ckpt.save(t, root)
+        t.save_checkpoint(root)
     monkeypatch.undo()
     assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 2)
     assert not os.path.exists(ckpt.step_dir(root, 3))
     assert not os.path.exists(os.path.join(root, ".tmp_iter_0000003"))  # removed on failure
 
     resumed = trainer_factory([CheckpointCallback()])
-    assert resumed.step == 2 and resumed.resumed_from == ckpt.step_dir(root, 2)
+    assert resumed.step == 2 and resumed.state.resumed_from == ckpt.step_dir(root, 2)
     resumed.train_one_step()
-    ckpt.save(resumed, root)  # cleans the leftovers
+    resumed.save_checkpoint(root)  # cleans the leftovers
     assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 3)
     assert not [n for n in os.listdir(root) if n.startswith((".tmp", ".trash"))]
 
@@ -66,7 +66,7 @@ def test_crash_before_the_tracker_update(trainer_factory, monkeypatch):
     t = trainer_factory()
     root = t.run.train.save_dir
     t.train_one_step()
-    ckpt.save(t, root)
+    t.save_checkpoint(root)
     t.train_one_step()
     real = ckpt._write_atomic
 
@@ -77,7 +77,7 @@ def test_crash_before_the_tracker_update(trainer_factory, monkeypatch):
 
     monkeypatch.setattr(ckpt, "_write_atomic", dies_on_tracker)
     with pytest.raises(RuntimeError):
-        ckpt.save(t, root)
+        t.save_checkpoint(root)
     monkeypatch.undo()
     assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 1)
     assert ckpt.is_complete(ckpt.step_dir(root, 2))
@@ -88,7 +88,7 @@ def test_keep_last(trainer_factory):
     root = t.run.train.save_dir
     for _ in range(4):
         t.train_one_step()
-        ckpt.save(t, root, keep_last=2)
+        t.save_checkpoint(root, keep_last=2)
     assert [s for s, _ in ckpt.list_checkpoints(root)] == [3, 4]
     assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 4)
 
@@ -113,7 +113,7 @@ def test_bad_trackers_and_load_dirs(tmp_path, trainer_factory):
     t = trainer_factory()
     t.run.train.load_dir = str(run_dir)
     with pytest.raises(ConfigError, match="train.load_dir=.* holds no checkpoint"):
-        CheckpointCallback().setup(t)
+        t.resume()
 
 
 def test_own_checkpoints_win_over_load_dir(trainer_factory, tmp_path):
@@ -121,14 +121,13 @@ def test_own_checkpoints_win_over_load_dir(trainer_factory, tmp_path):
     own checkpoint, not from load_dir again."""
     t = trainer_factory()
     t.train_one_step()
-    ckpt.save(t, str(tmp_path / "pretrained"))
+    t.save_checkpoint(str(tmp_path / "pretrained"))
     for _ in range(2):
         t.train_one_step()
-    ckpt.save(t, t.run.train.save_dir)  # this run's own progress, step 3
+    t.save_checkpoint(t.run.train.save_dir)  # this run's own progress, step 3
     t.run.train.load_dir = str(tmp_path / "pretrained")
-    cb = CheckpointCallback()
-    cb.setup(t)
-    assert t.resumed_from == ckpt.step_dir(t.run.train.save_dir, 3) and t.step == 3
+    t.resume()
+    assert t.state.resumed_from == ckpt.step_dir(t.run.train.save_dir, 3) and t.step == 3
 
 
 def test_dp_reshardable_optimizer_state_cannot_change_tp(trainer_factory, tmp_path):
@@ -140,7 +139,7 @@ def test_dp_reshardable_optimizer_state_cannot_change_tp(trainer_factory, tmp_pa
             "optim_format": "dp_reshardable"}
     (fake / ckpt.META).write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="ckpt_optim_format=fully_reshardable"):
-        ckpt.load(t, str(fake))
+        t.load_checkpoint(str(fake))
 
 
 def test_resume_with_the_real_data_pipeline_is_exact(megatron_single, tmp_path):

@@ -42,7 +42,7 @@ def pristine(megatron_single, tmp_path_factory):
     for step in (1, 2, 3):
         t.train_one_step()
         if step > 1:
-            ckpt.save(t, root, keep_last=0)
+            t.save_checkpoint(root, keep_last=0)
     weights = {n: p.detach().clone() for n, p in unwrap(t.model[0]).named_parameters()}
     return root, weights
 
@@ -80,7 +80,7 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(saved, tmp_pat
             f.truncate(size - 100)
     with caplog.at_level(logging.WARNING, logger="depthmix"):
         t = _resume(tmp_path, ckpt_integrity=mode)
-    assert t.resumed_from == ckpt.step_dir(root, 2) and t.step == 2
+    assert t.state.resumed_from == ckpt.step_dir(root, 2) and t.step == 2
     assert f"checkpoint {ckpt.step_dir(root, 3)} is damaged" in caplog.text
     assert os.path.basename(shard) in caplog.text
     assert all(torch.isfinite(p).all() for p in t.model[0].parameters())
@@ -108,7 +108,7 @@ def test_missing_or_unreadable_tracker_resumes_from_the_newest_complete(saved, t
             f.write(b"\x00\xffnot a step" if tracker == "garbage" else b"")
     with caplog.at_level(logging.WARNING, logger="depthmix"):
         t = _resume(tmp_path)
-    assert t.step == 3 and t.resumed_from == ckpt.step_dir(root, 3)
+    assert t.step == 3 and t.state.resumed_from == ckpt.step_dir(root, 3)
     assert f"using the newest complete checkpoint, {ckpt.step_dir(root, 3)}" in caplog.text
     for name, param in unwrap(t.model[0]).named_parameters():
         assert torch.equal(param, weights[name]), name
@@ -121,7 +121,7 @@ def test_unhealthy_newest_checkpoint_is_passed_over(saved, tmp_path, caplog):
                                                         ckpt.step_dir(root, 3)]
     with caplog.at_level(logging.WARNING, logger="depthmix"):
         t = _resume(tmp_path)
-    assert t.resumed_from == ckpt.step_dir(root, 2)
+    assert t.state.resumed_from == ckpt.step_dir(root, 2)
     assert "resuming from the newest healthy one" in caplog.text
 
 
@@ -129,11 +129,11 @@ def test_retention_never_prunes_the_newest_healthy_checkpoint(megatron_single, t
     t = Trainer(_run(tmp_path), data=SyntheticData, callbacks=[])
     root = t.run.train.save_dir
     t.train_one_step()
-    ckpt.save(t, root, keep_last=1)
+    t.save_checkpoint(root, keep_last=1)
     for _ in range(3):  # three unhealthy saves
         t.train_one_step()
         t.last.nonfinite = True
-        ckpt.save(t, root, keep_last=1)
+        t.save_checkpoint(root, keep_last=1)
     assert [s for s, _ in ckpt.list_checkpoints(root)] == [1, 4]
     assert ckpt.newest_healthy(root) == ckpt.step_dir(root, 1)
 
@@ -171,7 +171,7 @@ def test_load_weights_only_fine_tunes_across_mixers(saved, tmp_path):
     t = Trainer(_run(tmp_path / "ft", mixer="depth_attn", load_dir=root,
                      load_weights_only=True, precision="bf16"),
                 data=SyntheticData, callbacks=[CheckpointCallback()])
-    assert t.resumed_from == ckpt.step_dir(root, 3)
+    assert t.state.resumed_from == ckpt.step_dir(root, 3)
     assert t.step == 0 and t.consumed_samples == 0 and t.scheduler.num_steps == 0
     for name, param in unwrap(t.model[0]).named_parameters():
         assert param.dtype == torch.bfloat16, name

@@ -193,7 +193,8 @@ def test_closing_summary_says_how_the_run_ended(tmp_path, monkeypatch):
     (out / "train.log").write_text("")
     run = types.SimpleNamespace(output_dir=str(out), train=types.SimpleNamespace(steps=10),
                                 logger=types.SimpleNamespace(mode="disabled"))
-    trainer = types.SimpleNamespace(run=run, step=4, stop_reason=None, save_dir=str(out / "x"),
+    trainer = types.SimpleNamespace(run=run, step=4, stop_reason=None, callbacks=[],
+                                    state=types.SimpleNamespace(save_dir=str(out / "x")),
                                     last=types.SimpleNamespace(loss=2.5),
                                     topo=types.SimpleNamespace(is_logging_rank=True))
 

@@ -140,13 +140,13 @@ def test_rollback_reloads_the_last_checkpoint_and_skips_the_window(make_trainer)
     t.train()
     reference = Recorder()
     make_trainer(data=functools.partial(FaultyData, drop_steps=(4, 5)), callbacks=[reference],
-                 steps=7).train()
+                 steps=7, save_dir=t.state.save_dir + "_reference").train()
     assert [s["step"] for s in rec.steps] == [1, 2, 3, 4, 5, 4, 5, 6, 7]
     assert t.health.rollbacks == 1 and t.consumed_samples == (7 + 2) * 8
     kept = rec.steps[:3] + rec.steps[5:]
     for key in ("loss", "grad_norm", "lr", "rng"):
         assert [s[key] for s in kept] == [s[key] for s in reference.steps], key
-    assert ckpt.read_meta(ckpt.step_dir(t.save_dir, 7))["consumed_train_samples"] == 72
+    assert ckpt.read_meta(ckpt.step_dir(t.state.save_dir, 7))["consumed_train_samples"] == 72
 
 
 def test_a_nonfinite_step_right_after_a_save_demotes_that_checkpoint(make_trainer):
@@ -156,7 +156,7 @@ def test_a_nonfinite_step_right_after_a_save_demotes_that_checkpoint(make_traine
     t = make_trainer(data=functools.partial(FaultyData, nan_steps=(5,)),
                      callbacks=[CheckpointCallback()], save_interval=2, keep_last=1, steps=6)
     t.train()
-    health = {s: ckpt.read_meta(p)["health"] for s, p in ckpt.list_checkpoints(t.save_dir)}
+    health = {s: ckpt.read_meta(p)["health"] for s, p in ckpt.list_checkpoints(t.state.save_dir)}
     assert sorted(health) == [2, 6]  # 4 pruned once demoted; 2 kept: newest confirmed
     assert health[2]["healthy"] and health[2]["confirmed"]
     assert health[6]["healthy"] and not health[6]["confirmed"]
@@ -239,7 +239,7 @@ def test_diverging_run_keeps_a_healthy_checkpoint_to_resume_from(make_trainer, t
 
     resumed = Recorder()
     t = make_trainer(callbacks=[resumed, CheckpointCallback()], steps=5)
-    assert t.resumed_from == ckpt.step_dir(str(root), 3)
+    assert t.state.resumed_from == ckpt.step_dir(str(root), 3)
     t.train()
     assert [s["loss"] for s in resumed.steps] == [s["loss"] for s in straight.steps[3:]]
 

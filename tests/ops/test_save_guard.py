@@ -79,14 +79,14 @@ def test_full_disk_fails_clearly_keeps_the_previous_checkpoint(megatron_single, 
     root = os.path.join(small_disk, "ckpt")
     t = _trainer(root, keep_last=1)
     t.train_one_step()
-    ckpt.save(t, root, keep_last=1)
+    t.save_checkpoint(root, keep_last=1)
     size = save_guard.dir_bytes(ckpt.step_dir(root, 1))
     free = save_guard.free_bytes(root)
     with open(os.path.join(small_disk, "filler"), "wb") as f:  # leave half a checkpoint
         f.write(b"\0" * (free - size // 2))
     t.train_one_step()
     with pytest.raises(SaveError) as err:
-        ckpt.save(t, root, keep_last=1)
+        t.save_checkpoint(root, keep_last=1)
     message = str(err.value)
     assert "not enough space" in message and root in message
     assert "bytes) are free" in message and "bytes, from the size of" in message
@@ -100,7 +100,7 @@ def test_full_disk_fails_clearly_keeps_the_previous_checkpoint(megatron_single, 
     # ... and resumes from the intact checkpoint once there is room
     os.unlink(os.path.join(small_disk, "filler"))
     again = _trainer(root, keep_last=1, steps=3)
-    assert again.step == 1 and again.resumed_from == ckpt.step_dir(root, 1)
+    assert again.step == 1 and again.state.resumed_from == ckpt.step_dir(root, 1)
     again.train()
     again.close()
     assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 3)
@@ -115,7 +115,7 @@ def test_enospc_while_writing(megatron_single, tmp_path, monkeypatch):
     root = str(tmp_path / "ckpt")
     t = _trainer(root)
     t.train_one_step()
-    ckpt.save(t, root)
+    t.save_checkpoint(root)
     tracker = open(os.path.join(root, ckpt.TRACKER)).read()
     t.train_one_step()
 
@@ -124,7 +124,7 @@ def test_enospc_while_writing(megatron_single, tmp_path, monkeypatch):
 
     monkeypatch.setattr(filesystem_async, "_write_item", disk_full)
     with pytest.raises(SaveError, match="no space left on device") as err:
-        ckpt.save(t, root)
+        t.save_checkpoint(root)
     monkeypatch.undo()
     assert f"previous checkpoint {ckpt.step_dir(root, 1)} is intact" in str(err.value)
     assert not _leftovers(root) and not os.path.exists(ckpt.step_dir(root, 2))
@@ -132,9 +132,9 @@ def test_enospc_while_writing(megatron_single, tmp_path, monkeypatch):
     t.close()
 
     again = _trainer(root)
-    assert again.resumed_from == ckpt.step_dir(root, 1)
+    assert again.state.resumed_from == ckpt.step_dir(root, 1)
     again.train_one_step()
-    ckpt.save(again, root)
+    again.save_checkpoint(root)
     assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 2)
     again.close()
 

@@ -114,19 +114,25 @@ def _fake_trainer(logging_rank: bool):
 
     run = tiny_run()
     run.train.log_interval, run.train.steps = 2, 10
+    from depthmix.pretrain.accounting import ThroughputMeter
+
     trainer = types.SimpleNamespace(
-        run=run, config=None, step=0, tokens_per_step=1000,
+        run=run, config=None, step=0, meter=ThroughputMeter(6e9, 10.0, 1000, world_size=2),
         topo=types.SimpleNamespace(world_size=2, is_logging_rank=logging_rank))
-    trainer._train_flops_per_token, trainer._peak_tflops = 6e9, 10.0
     return trainer
 
 
 def _step(trainer, callbacks):
     import types
 
+    from depthmix.pretrain.trainer import Trainer
+
     trainer.step += 1
+    trainer.meter.add(0.25)
     result = types.SimpleNamespace(loss=2.5, lr=1e-3, grad_norm=0.75, loss_scale=1.0,
-                                   skipped=False, seconds=0.25)
+                                   skipped=False, seconds=0.25, nonfinite_steps=0, perf=None)
+    if Trainer.is_log_step(trainer):
+        result.perf = trainer.meter.read()
     for cb in callbacks:
         cb.post_step(trainer, result)
 
@@ -157,7 +163,6 @@ def test_progress_bar_carries_the_log_lines(capsys):
     trainer = _fake_trainer(True)
     bar, console = ProgressBar(force=True), ConsoleLogger()
     bar.pre_train(trainer)
-    assert trainer.progress_bar is bar.bar
     for _ in range(2):
         _step(trainer, [console, bar])
     assert bar.bar.n == 2

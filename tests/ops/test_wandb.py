@@ -70,6 +70,10 @@ def test_one_rank_logs_and_the_resumed_run_keeps_the_id(runs):
         assert f.read().strip() == first["id"]
     assert [r["_step"] for r in first["history"] if "train/loss" in r] == [1, 2, 3, 4]
     assert [r["_step"] for r in resumed["history"] if "train/loss" in r] == [5, 6]
+    # the logger's setup runs before the checkpoint callback's: the trainer restored first
+    assert first["config"]["resumed_from"] is None
+    assert resumed["config"]["resumed_from"] == os.path.join(runs["out"], "checkpoints",
+                                                             "iter_0000004")
 
 
 def test_metrics_and_config(runs):

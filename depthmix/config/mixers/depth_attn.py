@@ -167,7 +167,8 @@ def depth_attn_plan(config, tp: int) -> List[Entry]:
 def extra_flops_per_token(config) -> int:
     """Forward FLOPs per token added to a vanilla decoder (whole model, all heads).
 
-    Seed 000 appendix B.2's counting (a multiply-add is 2 FLOPs; dot products and weighted
+    The Depth-Attention paper's appendix B.2 counting (a multiply-add is 2 FLOPs; dot products and
+    weighted
     sums only, the softmax over a handful of entries omitted), per layer ``l`` with
     ``n_l = |S(l)| > 0`` sources and ``d_kv = ng * hn``: the scores ``2 (n_l + 1) d_kv``
     (softmax rule only), each mixed tensor ``2 (n_l + 1) d_kv``, and the group mean of the

@@ -36,7 +36,8 @@ class MHCConfig(MixerConfig):
     """``mhc`` (Sinkhorn-constrained H_res), ``hc`` (unconstrained, tanh), ``identity``
     (H_res = I)."""
     streams: int = 4
-    """Number of residual streams ``n`` (the papers' expansion rate; seed 000 uses 4)."""
+    """Number of residual streams ``n`` (the papers' expansion rate; the Depth-Attention paper
+    uses 4)."""
     sinkhorn_iters: int = 20
     """Sinkhorn-Knopp iterations for H_res (``variant=mhc``)."""
     gate_init: float = 0.01

@@ -1,6 +1,7 @@
 """Depth-Attention's depth step in plain PyTorch (the reference every kernel is tested against).
 
-Seed 000, eqs. (2)-(3): at one token position, layer ``l``'s query attends over the keys of
+The Depth-Attention paper, eqs. (2)-(3): at one token position, layer ``l``'s query attends over
+the keys of
 ``l`` and of its source layers ``S(l)`` and mixes their values:
 
     a = softmax_{j in S(l) + [l]}( q̄_l · k_j / sqrt(d_h) )

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for Depth-Attention's depth step (seed 000, eqs. 2-3; SPEC §1.1).
+"""Fused Triton kernels for Depth-Attention's depth step (Depth-Attention paper, eqs. 2-3).
 
 One program handles ``BLOCK_T`` token rows (``s`` and ``b`` flattened) of one KV head:
 

@@ -1,7 +1,7 @@
 """Benchmarks of ``moda_attention`` for ``tools/bench_kernels.py --ops moda_attention``.
 
 What issue 9 asks of the MoDA kernel is its price over plain attention: MoDA's
-forward+backward time over plain causal attention at each ``T`` (seed 003's targets, A100
+forward+backward time over plain causal attention at each ``T`` (MoDA paper's targets, A100
 vs FlashAttention-2 in Triton: +25.9% at 4K, +8.6% at 16K, +2.7% at 64K). So every case
 holds the plain attention as its ``baseline`` and the ratio column is that overhead
 (targets: ``ours`` <= 1.259, 1.086, 1.027):

@@ -1,6 +1,6 @@
 """Mixture-of-depths attention in plain PyTorch: the reference for the fused kernel.
 
-One MoDA attention call (seed 003, Alg. 1): every query head attends, under **one**
+One MoDA attention call (MoDA paper, Alg. 1): every query head attends, under **one**
 softmax, to the causal sequence keys of its layer and to the depth keys of its own token
 position::
 

@@ -2,7 +2,7 @@
 ``moda_attention_bwd``.
 
 One flash-style pass per query tile with ONE online softmax over the causal sequence keys
-and the tile's own depth entries (seed 003, "Hardware-Efficient MoDA Implementation").
+and the tile's own depth entries (MoDA paper, "Hardware-Efficient MoDA Implementation").
 
 Tiling (per KV head ``n`` of sample ``b``; everything is TP-local, the rank's heads only):
 

@@ -1,6 +1,7 @@
 """Deep Delta Learning (Zhang, Liu, Wang, Gu 2026, arXiv:2601.00417) as a residual operator.
 
-Seed 004 recommends DDL "when the shortcut is the object": instead of ``X + F(x)``, each
+The Residual Stream Duality paper recommends DDL "when the shortcut is the object": instead of ``X
++ F(x)``, each
 sublayer applies the delta rule to a matrix state ``X in R^{d x d_v}`` per token
 (depth-state entry ``"ddl"``, ``[s, b, h, d_v]`` on the sequence-parallel shard)::
 

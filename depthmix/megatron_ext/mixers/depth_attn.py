@@ -1,8 +1,9 @@
-"""Depth-Attention (seed 000): attention along depth inside the attention module.
+"""Depth-Attention ("Depth-Attention: Cross-Layer Value Mixing for Language Models"): attention
+along depth inside the attention module.
 
 Before layer ``l`` attends over the sequence, its query attends over the keys of ``l`` and
 of its source layers ``S(l)`` *at the same token position* and mixes their values into the
-value that sequence attention then reads (SPEC section 1.1)::
+value that sequence attention then reads::
 
     q̄_l  = mean of the G query heads of each KV group               [s, b, ng, hn]
     a     = softmax_{j in S(l) + [l]}( q̄_l · k_j / sqrt(hn) )   (fp32)

@@ -1,11 +1,13 @@
-"""Depth-Attention written straight from seed 000, one layer and one token at a time.
+"""Depth-Attention written straight from the Depth-Attention paper, one layer and one token at a
+time.
 
 For tests only: :func:`reference_logits` recomputes a :class:`DepthMixModel`'s logits from
 its weights with explicit Python loops over the (unrolled) layers, the token positions and
-the heads, following the paper's equations (SPEC section 1.1) literally. It shares nothing
+the heads, following the paper's equations literally. It shares nothing
 with the vectorised path but the weights (and Megatron's RoPE angle table).
 
-Per layer ``l`` and position ``t`` (eqs. 2-3 of seed 000; GQA as in its section 3.3)::
+Per layer ``l`` and position ``t`` (eqs. 2-3 of the Depth-Attention paper; GQA as in its section
+3.3)::
 
     q̄ = mean of the G query heads of the group
     a_j = softmax_j( q̄ · k_j / sqrt(d_h) ),  j in S(l) ∪ {l}      (or 1 / (|S(l)| + 1))

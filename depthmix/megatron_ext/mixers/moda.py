@@ -1,4 +1,4 @@
-"""MoDA, mixture-of-depths attention (seed 003).
+"""MoDA, mixture-of-depths attention (Zhu et al., "Mixture-of-Depths Attention").
 
 Each query head attends, under one softmax, to the causal sequence KV of its layer and to
 the *depth KV*: the KV entries at the query's own token position written by earlier

@@ -1,9 +1,10 @@
-"""Sequence-axis ShortSWA (seed 004, Zhang 2026; "Rethinking SWA", Zhang 2025).
+"""Sequence-axis ShortSWA (Residual Stream Duality paper, Zhang 2026; "Rethinking SWA", Zhang 2025).
 
 A short causal sliding-window attention over the sequence, placed before the layer's
 attention: ``S = H + ShortSWA(Norm(H); w)``, ``A = S + Attn(Norm(S))``. The layer's
 ``short_swa`` slot (``layer.py``) returns ``s = ShortSWA(Norm(x); w)`` and the attention
-sublayer becomes ``y = s + attn(norm(x + s))``, which is seed 004's block with the plain
+sublayer becomes ``y = s + attn(norm(x + s))``, which is the Residual Stream Duality paper's block
+with the plain
 residual and composes with every residual operator (mHC, DDL, AttnRes, ...).
 ``specs.get_decoder_layer_submodules`` fills the slot for every mixer when
 ``mixer.short_swa_window > 0``.

@@ -11,14 +11,12 @@ from depthmix.pretrain.callbacks.base import Callback
 class ConsoleLogger(Callback):
     """``step | loss | lr | grad norm | loss scale | tokens/s | TFLOP/s per device | MFU |
     memory | s/step`` (TFLOP/s and MFU only where the device's peak is known). Throughput
-    is averaged over the steps since the last line. Lines go through
+    is the trainer's (averaged over the steps since the last log step). Lines go through
     :func:`run_log.say` (console and ``train.log``), or to ``printer`` when given. Before
     training starts it prints the start-up summary of the libraries' warnings."""
 
     def __init__(self, printer=None):
         self.printer = printer
-        self._seconds = 0.0
-        self._steps = 0
 
     def _emit(self, trainer, text: str) -> None:
         if not trainer.topo.is_logging_rank:
@@ -32,16 +30,10 @@ class ConsoleLogger(Callback):
             self._emit(trainer, line)
 
     def post_step(self, trainer, result) -> None:
-        from depthmix.pretrain.accounting import memory_stats, throughput
+        from depthmix.pretrain.accounting import memory_stats
 
-        self._seconds += getattr(result, "seconds", 0.0)
-        self._steps += 1
-        t = trainer.run.train
-        if trainer.step % t.log_interval and trainer.step not in (1, t.steps):
-            return
-        perf = throughput(trainer, self._seconds / max(self._steps, 1))
-        self._seconds, self._steps = 0.0, 0
-        if not trainer.topo.is_logging_rank:
+        t, perf = trainer.run.train, result.perf
+        if perf is None or not trainer.topo.is_logging_rank:  # not a log step
             return
         grad = f"{result.grad_norm:.3f}" if result.grad_norm is not None else "-"
         flops = (f" | {perf.tflops_per_device:.2f} TFLOP/s | MFU {100 * perf.mfu:.1f}%"
@@ -55,7 +47,7 @@ class ConsoleLogger(Callback):
             f"| grad {grad} | scale {result.loss_scale:g} | {perf.tokens_per_s:,.0f} tok/s"
             f"{flops}{mem_text} "
             f"| {perf.seconds_per_step:.3f} s/step" + (" | skipped" if result.skipped else "")
-            + (f" | nonfinite {n}" if (n := getattr(result, "nonfinite_steps", 0)) else ""),
+            + (f" | nonfinite {result.nonfinite_steps}" if result.nonfinite_steps else ""),
         )
 
     def post_eval(self, trainer, result) -> None:

@@ -26,13 +26,12 @@ class ProgressBar(Callback):
             return
         self.bar = tqdm(total=trainer.run.train.steps, initial=trainer.step, unit="step",
                         dynamic_ncols=True, leave=False)
-        trainer.progress_bar = self.bar
         run_log.set_progress_bar(self.bar)  # console lines are written above it
 
     def post_step(self, trainer, result) -> None:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{result.loss:.4f}",
-                                 s_per_step=f"{getattr(result, 'seconds', 0.0):.2f}",
+                                 s_per_step=f"{result.seconds:.2f}",
                                  refresh=False)
             self.bar.update(1)
 
@@ -43,5 +42,4 @@ class ProgressBar(Callback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-            trainer.progress_bar = None
             run_log.set_progress_bar(None)

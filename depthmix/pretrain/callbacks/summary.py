@@ -143,10 +143,10 @@ class RunSummary(Callback):
         contents = [n for n in ("train.log", "checkpoints", "wandb", "depth_stats", "profile")
                     if os.path.exists(os.path.join(run.output_dir, n))]
         lines = [head, f"outputs: {out}" + (f" ({', '.join(contents)})" if contents else "")]
-        save_dir = getattr(trainer, "save_dir", None)
-        last = ckpt.latest_checkpoint(save_dir) if save_dir else None
+        last = ckpt.latest_checkpoint(trainer.state.save_dir)
         lines.append(f"last checkpoint: {short_path(last) if last else 'none'}")
-        wandb_dir = getattr(trainer, "wandb_dir", None)
+        wandb_dir = next((cb.directory for cb in trainer.callbacks
+                          if getattr(cb, "directory", None)), None)
         if wandb_dir and run.logger.mode == "offline":
             lines.append(f"W&B (offline): wandb sync {short_path(wandb_dir)}")
         if trainer.step < t.steps or self.error is not None:

@@ -28,10 +28,10 @@ import string
 
 from depthmix.pretrain.callbacks.base import Callback
 from depthmix.pretrain.run_log import say, short_path
+from depthmix.pretrain.state import RUN_ID_FILE, write_run_id  # noqa: F401  (RUN_ID_FILE re-exported)
 
 log = logging.getLogger("depthmix")
 
-RUN_ID_FILE = "wandb_run_id.txt"
 
 
 def _pil_available() -> bool:
@@ -64,35 +64,14 @@ def _settings(wandb, verbose: bool):
 class WandbLogger(Callback):
     def __init__(self):
         self.run = None  # the wandb Run, on the logging rank only
-        self._seconds = 0.0
-        self._steps = 0
+        self.directory = None  # its offline-run-<time>-<id> directory
 
     # ---- set-up -------------------------------------------------------------------------
     def _enabled(self, trainer) -> bool:
         lg = trainer.run.logger
         return lg.wandb and lg.mode != "disabled" and trainer.topo.is_logging_rank
 
-    def _run_id(self, trainer) -> str:
-        path = os.path.join(trainer.save_dir, RUN_ID_FILE)
-        if os.path.isfile(path):
-            with open(path) as f:
-                run_id = f.read().strip()
-            if run_id:
-                return run_id
-        # W&B-style id; `secrets` leaves the seeded generators alone
-        run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-        os.makedirs(trainer.save_dir, exist_ok=True)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(run_id)
-        os.replace(tmp, path)
-        return run_id
-
     def setup(self, trainer) -> None:
-        if not hasattr(trainer, "save_dir"):  # no CheckpointCallback: keep ids in output_dir
-            from depthmix.pretrain.callbacks.checkpoint import save_dir
-
-            trainer.save_dir = save_dir(trainer.run)
         if not self._enabled(trainer):
             return
         import wandb
@@ -101,13 +80,17 @@ class WandbLogger(Callback):
         from depthmix.pretrain.accounting import flops_per_token
 
         run, lg, topo = trainer.run, trainer.run.logger, trainer.topo
-        run_id = self._run_id(trainer)
-        trainer.wandb_run_id = run_id
+        state = trainer.state
+        if state.run_id is None:  # W&B-style id; `secrets` leaves the seeded generators alone
+            state.run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits)
+                                   for _ in range(8))
+            write_run_id(state.save_dir, state.run_id)
+        run_id = state.run_id
         config = to_container(run)
         config["layout"] = {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp,
                             "vp": topo.vp, "dp": topo.dp}
         config["flops_per_token"] = flops_per_token(run, trainer.config)
-        config["resumed_from"] = getattr(trainer, "resumed_from", None)
+        config["resumed_from"] = state.resumed_from
         directory = lg.dir or run.output_dir
         os.makedirs(directory, exist_ok=True)
         settings = _settings(wandb, run.train.verbose)
@@ -117,33 +100,27 @@ class WandbLogger(Callback):
             dir=directory, mode=lg.mode, id=run_id, resume="allow", config=config,
             tags=list(lg.tags) or None, settings=settings,
         )
-        trainer.wandb_dir = os.path.dirname(self.run.dir)  # .../offline-run-<time>-<id>
-        say(f"W&B run {run_id} ({lg.mode}): {short_path(trainer.wandb_dir)}")
+        self.directory = os.path.dirname(self.run.dir)  # .../offline-run-<time>-<id>
+        say(f"W&B run {run_id} ({lg.mode}): {short_path(self.directory)}")
 
     # ---- events -------------------------------------------------------------------------
     def post_step(self, trainer, result) -> None:
-        from depthmix.pretrain.accounting import memory_stats, throughput
+        from depthmix.pretrain.accounting import memory_stats
 
-        self._seconds += getattr(result, "seconds", 0.0)
-        self._steps += 1
-        t, lg = trainer.run.train, trainer.run.logger
+        lg = trainer.run.logger
         if lg.depth_stats_interval and trainer.step % lg.depth_stats_interval == 0:
             self._depth_stats(trainer)  # collective: every rank
-        if trainer.step % t.log_interval and trainer.step != t.steps:
-            return
-        perf = throughput(trainer, self._seconds / max(self._steps, 1))
-        self._seconds, self._steps = 0.0, 0
-        if self.run is None:
+        if result.perf is None or self.run is None:  # not a log step
             return
         data = {
             "train/loss": result.loss,
             "train/lr": result.lr,
             "train/loss_scale": result.loss_scale,
             "train/skipped": int(result.skipped),
-            "train/nonfinite_steps": getattr(result, "nonfinite_steps", 0),
+            "train/nonfinite_steps": result.nonfinite_steps,
             "train/consumed_samples": trainer.consumed_samples,
             "train/tokens": trainer.consumed_samples * trainer.run.model.seq_length,
-            **perf.as_dict(),
+            **result.perf.as_dict(),
             **memory_stats(),
         }
         if result.grad_norm is not None:

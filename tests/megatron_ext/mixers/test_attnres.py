@@ -53,7 +53,7 @@ def slow_depth_attention(sources, query, gain, eps):
 
 
 def reference_logits(model, ids, block_size=None):
-    """Full AttnRes (``block_size=None``) from Eq. (7) of seed 001, or Block AttnRes from
+    """Full AttnRes (``block_size=None``) from Eq. (7) of Su's Attention Residuals memoir, or Block AttnRes from
     its description: the embedding is block 0, outputs are summed inside a block, a
     sublayer attends over the completed blocks plus its block's (non-empty) partial sum."""
     emb, ctx = embed(model, ids), context(model, ids.shape[1])
@@ -181,7 +181,7 @@ def test_uniform_weights_at_init(megatron_single, mixer, options):
                                            ("attnres_block", {"block_size": 8})])
 def test_at_init_equals_plain_residual_up_to_norm_epsilon(megatron_single, mixer, options):
     """Zero queries give the uniform average of the sources, i.e. the residual sum / S;
-    the pre-norm removes the 1/S (seed 001: averaging and summing are equivalent)."""
+    the pre-norm removes the 1/S (Su, Attention Residuals memoir: averaging and summing are equivalent)."""
     ids = ids_for()
     vanilla = make("vanilla", eps=1e-30)
     model = make(mixer, eps=1e-30, **options)

@@ -275,7 +275,8 @@ def test_depth_weight_statistics(megatron_single):
 
 
 def test_extra_flops_3b():
-    """Seed 000 B.2 counting at the 3B preset (48 layers, stride 24, 8 KV heads x 64, G=4):
+    """The Depth-Attention paper B.2 counting at the 3B preset (48 layers, stride 24, 8 KV heads x
+    64, G=4):
     layers 1-24 mix 1 source, 25-47 two; 4 (n+1) d_kv per layer plus the group mean d."""
     from depthmix.config.load import compose_run
 

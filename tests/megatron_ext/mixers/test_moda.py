@@ -23,7 +23,7 @@ F64 = torch.float64
 
 
 # ---------------------------------------------------------------------------------------
-# Slow reference, straight from seed 003 (Sec. 2.3 "Mixture-of-Depths Attention", Alg. 1)
+# Slow reference, straight from the MoDA paper (Sec. 2.3 "Mixture-of-Depths Attention", Alg. 1)
 # ---------------------------------------------------------------------------------------
 
 
@@ -217,7 +217,7 @@ def test_depth_masked_out_equals_vanilla(megatron_single, monkeypatch, ffn, attn
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_extra_parameters_closed_form(megatron_single, ffn, attn, qk_norm):
     """Per projection family: (L - 1) projections (the last layer's entries are never read;
-    seed 003 variants table: 705.7M - 669.0M = 35 * 2 * 1024 * 512 for its 36 layers), each
+    the MoDA paper variants table: 705.7M - 669.0M = 35 * 2 * 1024 * 512 for its 36 layers), each
     ``2 * hidden * ng * hn`` weights plus the depth keys' ``hn`` QK-norm gain."""
     run = tiny_run("moda", ffn_kv_proj=ffn, attn_kv_proj=attn)
     run.model.qk_layernorm = qk_norm

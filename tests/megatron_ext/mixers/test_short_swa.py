@@ -30,7 +30,8 @@ def make(window, mixer="vanilla", gqa=True, seq=16, **options):
 
 # ---------------------------------------------------------------------------------------
 # Slow reference: the window attention with loops over query positions and heads, and
-# seed 004's block  S = H + ShortSWA(Norm(H); w); A = S + Attn(Norm(S)); H' = A + MLP(Norm(A)).
+# the Residual Stream Duality paper's block  S = H + ShortSWA(Norm(H); w); A = S + Attn(Norm(S));
+# H' = A + MLP(Norm(A)).
 # ---------------------------------------------------------------------------------------
 
 
