@@ -9,6 +9,13 @@ mean something on a GPU.
     python tools/bench_mixers.py                       # tiny model, every mixer, CPU
     python tools/bench_mixers.py --model 1p5b --layers 4 --seq 2048 --micro-batch 1 \\
         --precision bf16 --impl torch,triton           # on a GPU
+    python tools/bench_mixers.py --compile both --peers  # + compiled rows, peer models
+
+``--compile both`` adds a compiled row (``train.compile=true``) per mixer, with its ratio to
+eager vanilla and to compiled vanilla. ``--peers`` times one forward+backward (no optimizer)
+of our vanilla model, Megatron-Core's own ``GPTModel`` (local spec) and, when
+``transformers`` is installed, Hugging Face's ``Qwen3ForCausalLM``, all at the same
+Qwen3-style shape, side by side.
 """
 
 from __future__ import annotations
@@ -34,6 +41,12 @@ def parse_args():
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--option", action="append", default=[],
                    help="mixer option override, e.g. depth_attn.stride=2 (repeatable)")
+    p.add_argument("--model-option", action="append", default=[],
+                   help="model option override, e.g. hidden_size=512 (repeatable)")
+    p.add_argument("--compile", default="eager", choices=["eager", "compiled", "both"],
+                   help="train.compile=false, true, or one row of each per mixer")
+    p.add_argument("--peers", action="store_true",
+                   help="also time Megatron-Core's GPTModel and HF Qwen3 at the same shape")
     return p.parse_args()
 
 
@@ -58,24 +71,102 @@ def build_runs(args):
         mixer, field = key.split(".", 1)
         options.setdefault(mixer, []).append(f"mixer.{field}={value}")
     runs = []
-    for name in names:
-        for impl in (["torch"] if name == "vanilla" else impls):
-            overrides = [f"model={args.model}", f"mixer={name}", "logger=none",
-                         f"train.micro_batch_size={args.micro_batch}",
-                         f"train.global_batch_size={args.micro_batch}",
-                         f"train.precision={args.precision}", *options.get(name, [])]
-            if name != "vanilla":
-                overrides.append(f"mixer.impl={impl}")
-            if args.layers:
-                overrides.append(f"model.num_layers={args.layers}")
-            if args.seq:
-                overrides.append(f"model.seq_length={args.seq}")
-            if args.recompute:
-                overrides.append("parallel.recompute=full")
-            run = compose_run(*overrides)
-            get_mixer(name)  # fail early on unknown names
-            runs.append((f"{name}", impl, run))
+    modes = {"eager": ["false"], "compiled": ["true"], "both": ["false", "true"]}[args.compile]
+    for name, impl, compiled in ((n, i, c) for n in names for c in modes
+                                 for i in (["torch"] if n == "vanilla" else impls)):
+        overrides = [f"model={args.model}", f"mixer={name}", "logger=none",
+                     f"train.micro_batch_size={args.micro_batch}",
+                     f"train.global_batch_size={args.micro_batch}",
+                     f"train.precision={args.precision}", *options.get(name, [])]
+        if name != "vanilla":
+            overrides.append(f"mixer.impl={impl}")
+        if args.layers:
+            overrides.append(f"model.num_layers={args.layers}")
+        if args.seq:
+            overrides.append(f"model.seq_length={args.seq}")
+        if args.recompute:
+            overrides.append("parallel.recompute=full")
+        overrides += [f"model.{o}" for o in args.model_option]
+        overrides.append(f"train.compile={compiled}")
+        run = compose_run(*overrides)
+        get_mixer(name)  # fail early on unknown names
+        runs.append((name, impl if compiled == "false" else f"{impl}+c", run))
     return runs
+
+
+def peer_models(run, head_dim: int):
+    """(name, model, loss_fn) of Megatron-Core's GPTModel (local spec) and, if installed,
+    HF Qwen3 at ``run``'s shape: RMSNorm, SwiGLU, QK-norm, RoPE, GQA, no biases, untied."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    m = run.model
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+        run.train.precision]
+    config = TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        kv_channels=head_dim, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0,
+        attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, pipeline_dtype=dtype)
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=m.vocab_size,
+                   max_sequence_length=m.seq_length, position_embedding_type="rope",
+                   share_embeddings_and_output_weights=False).to(dtype)
+    peers = [("megatron GPTModel", gpt,
+              lambda x, pos: gpt(x, pos, attention_mask=None, labels=x).sum())]
+    try:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+    except ImportError:
+        return peers
+    hf = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups, head_dim=head_dim,
+        max_position_embeddings=m.seq_length, tie_word_embeddings=False,
+        attn_implementation="sdpa")).to(dtype)
+    peers.append(("HF Qwen3", hf, lambda x, pos: hf(input_ids=x, labels=x).loss))
+    return peers
+
+
+def time_forward_backward(models, batch, steps: int, warmup: int) -> dict:
+    """Median seconds of forward+backward per model, stepped round-robin."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    x, pos = batch
+    times = {name: [] for name, _, _ in models}
+    for step in range(warmup + steps):
+        for name, model, loss_fn in models:
+            sync()
+            t0 = time.perf_counter()
+            loss_fn(x, pos).backward()
+            sync()
+            model.zero_grad(set_to_none=True)
+            if step >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def print_peers(vanilla_trainer, args) -> None:
+    from depthmix.pretrain.parallelize import unwrap
+
+    run = vanilla_trainer.run
+    ours = unwrap(vanilla_trainer.model[0])
+    device = next(ours.parameters()).device
+    x = torch.randint(0, run.model.vocab_size, (args.micro_batch, run.model.seq_length),
+                      device=device)
+    pos = torch.arange(run.model.seq_length, device=device).expand_as(x)
+    models = [("depthmix vanilla", ours, lambda x, pos: ours(x, pos, labels=x).sum())]
+    models += [(n, m.to(device), f) for n, m, f in peer_models(run, vanilla_trainer.config.kv_channels)]
+    times = time_forward_backward(models, (x, pos), args.steps, args.warmup)
+    base = times["depthmix vanilla"]
+    print(f"\nforward+backward, same shape, median of {args.steps} (no optimizer)\n")
+    print(f"{'model':<20}{'ms':>10}{'ratio':>8}{'params':>14}")
+    for name, model, _ in models:
+        n = sum(p.numel() for p in model.parameters())
+        print(f"{name:<20}{times[name] * 1e3:>10.1f}{times[name] / base:>8.3f}{n:>14,}")
 
 
 def main():
@@ -102,12 +193,19 @@ def main():
     print(f"\n{device} | torch {torch.__version__} | model={args.model} "
           f"layers={trainers[0][2].run.model.num_layers} seq={trainers[0][2].run.model.seq_length} "
           f"micro_batch={args.micro_batch} {args.precision} | median of {args.steps} steps\n")
-    print(f"{'mixer':<16}{'impl':<8}{'ms/step':>10}{'ratio':>8}{'params':>12}{'extra':>10}")
+    compiled_base = next((statistics.median(times[i]) for i, (n, impl, _) in enumerate(trainers)
+                          if n == "vanilla" and impl.endswith("+c")), None)
+    print(f"{'mixer':<16}{'impl':<10}{'ms/step':>10}{'ratio':>8}{'vs same':>9}{'params':>12}"
+          f"{'extra':>10}")
     vanilla_params = sum(p.numel() for p in trainers[0][2].model[0].parameters())
     for i, (name, impl, trainer) in enumerate(trainers):
         t = statistics.median(times[i])
+        same = compiled_base if impl.endswith("+c") else base  # compiled vs compiled vanilla
         n = sum(p.numel() for p in trainer.model[0].parameters())
-        print(f"{name:<16}{impl:<8}{t * 1e3:>10.1f}{t / base:>8.3f}{n:>12,}{n - vanilla_params:>10,}")
+        print(f"{name:<16}{impl:<10}{t * 1e3:>10.1f}{t / base:>8.3f}{t / same:>9.3f}{n:>12,}"
+              f"{n - vanilla_params:>10,}")
+    if args.peers:
+        print_peers(trainers[0][2], args)
 
 
 if __name__ == "__main__":

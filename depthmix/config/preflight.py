@@ -8,7 +8,9 @@ the checks that touch files:
   ``depthmix.data.integrity.check_prefix`` where that module exists); ``data.split`` gives
   every split with a positive weight at least one document (Megatron would loop for ever);
 * tokenizer: ``data.tokenizer`` loads and its vocabulary fits ``model.vocab_size``;
-* checkpoints: the save directory exists as a writable directory or can be created.
+* checkpoints: the save directory exists as a writable directory or can be created;
+* compilation (``train.compile=true``): a recent enough torch, a C++ compiler for inductor
+  on CPU, and no option the compiled layers cannot run.
 
 Each failure is a :class:`ConfigError` naming the option. Nothing here imports torch or
 Megatron, and nothing is written.
@@ -17,6 +19,7 @@ Megatron, and nothing is written.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 from typing import List, Optional
 
@@ -34,9 +37,46 @@ def preflight(run: RunConfig, world_size: int, data: bool = True) -> None:
     if data:
         check_data(run)
     check_save_dir(run)
+    check_compile(run)
     from depthmix.pretrain.checkpoint_files import preflight_checkpoint
 
     preflight_checkpoint(run)  # a checkpoint of another configuration is refused here
+
+
+# ------------------------------------------------------------------------ compile
+COMPILE_MIN_TORCH = (2, 6)
+"""``Module.compile`` with built-in module inlining and ``fail_on_recompile_limit_hit``."""
+
+
+def check_compile(run: RunConfig) -> None:
+    """``train.compile=true`` (``auto`` decides for itself: :func:`depthmix.pretrain.compile.
+    enabled`) is refused here, naming the option, rather than falling back mid-run."""
+    if run.train.compile != "true":
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("torch")
+    except PackageNotFoundError:
+        return
+    numbers = tuple(int(p) for p in found.split("+")[0].split(".")[:2] if p.isdigit())
+    if numbers < COMPILE_MIN_TORCH:
+        raise ConfigError(f"train.compile=true needs torch >= "
+                          f"{'.'.join(map(str, COMPILE_MIN_TORCH))} (found {found}); "
+                          "set train.compile=false")
+    if getattr(run.mixer, "impl", "torch") == "triton":
+        raise ConfigError(
+            "train.compile=true with mixer.impl=triton: the Triton kernels are not registered "
+            "as custom ops yet, so each layer's graph would break around them; use "
+            "mixer.impl=torch (compilation fuses its elementwise work) or train.compile=false")
+    if not _has_cuda_device() and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+        raise ConfigError("train.compile=true on CPU needs a C++ compiler for inductor (none "
+                          "of c++, g++, clang++ on PATH); set train.compile=false")
+
+
+def _has_cuda_device() -> bool:
+    """Without importing torch: a visible NVIDIA device node."""
+    return os.path.exists("/dev/nvidia0") and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
 
 
 # ------------------------------------------------------------------------ data

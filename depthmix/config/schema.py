@@ -209,6 +209,14 @@ class TrainConfig:
     """Show what the libraries print at start-up: every Megatron-Core / Apex / Transformer
     Engine warning, Megatron's config dumps and bucket lists, W&B's messages. Default: one
     summary line for the warnings, the rest only at debug level."""
+    compile: str = "auto"
+    """``true``: ``torch.compile`` each transformer layer (regional compilation,
+    :mod:`depthmix.pretrain.compile`); ``false``: eager; ``auto``: on where CUDA is, off on
+    CPU (where inductor's compile time rarely pays off)."""
+
+    def __post_init__(self):
+        # the command line's true/false arrive as the strings "True"/"False"
+        self.compile = str(self.compile).lower()
     profile_steps: Optional[list[int]] = None
     """``[first, last]``: record a torch profiler trace of these steps (inclusive) into
     ``<output_dir>/profile/`` (Chrome trace JSON per rank; on CUDA also a memory snapshot)."""

@@ -24,6 +24,7 @@ LOGGER_MODES = ("offline", "online", "disabled")
 NONFINITE_POLICIES = ("skip", "stop", "rollback")
 SPIKE_POLICIES = ("log", "skip", "rollback")
 CKPT_INTEGRITY = ("checksum", "size", "off")
+COMPILE_MODES = ("auto", "true", "false")
 
 CHOICES = {
     "model.norm_position": ("pre", "post"),
@@ -35,6 +36,7 @@ CHOICES = {
     "train.on_nonfinite": NONFINITE_POLICIES,
     "train.on_spike": SPIKE_POLICIES,
     "train.ckpt_integrity": CKPT_INTEGRITY,
+    "train.compile": COMPILE_MODES,
 }
 """Allowed values of the string options of the config groups (mixers: ``MixerConfig.CHOICES``)."""
 FREE_TEXT = frozenset({

@@ -24,6 +24,8 @@ from depthmix import cpu_compat
 from depthmix.config.schema import RunConfig
 from depthmix.megatron_ext.model import DepthMixModel
 from depthmix.megatron_ext.transport import DepthStateCache
+from depthmix.pretrain.compile import compile_layers
+from depthmix.pretrain.compile import enabled as compile_enabled
 from depthmix.pretrain.launch_env import free_port
 
 
@@ -109,6 +111,8 @@ def build_model(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module]
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
+    if compile_enabled(run):  # in place, before the wrappers: see depthmix.pretrain.compile
+        compile_layers(chunks)
     if config.fp16 or config.bf16:
         chunks = [Float16Module(config, m) for m in chunks]
     ddp_config = DistributedDataParallelConfig(

@@ -87,13 +87,14 @@ def mhc_coefficients(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
     if variant == "mhc":
         h_pre = torch.sigmoid(a[0] * d_pre + b_pre)
         h_post = 2.0 * torch.sigmoid(a[1] * d_post + b_post)
-        h_res = sinkhorn_reference((a[2] * d_res + b_res).unflatten(-1, (n, n)), sinkhorn_iters)
+        h_res = sinkhorn_reference((a[2] * d_res + b_res).reshape(*d_res.shape[:-1], n, n),
+                                   sinkhorn_iters)
         return h_pre, h_post, h_res
     h_pre = b_pre + a[0] * torch.tanh(d_pre)
     h_post = b_post + a[1] * torch.tanh(d_post)
     if variant == "identity":
         return h_pre, h_post, None
-    h_res = (b_res + a[2] * torch.tanh(d_res)).unflatten(-1, (n, n))
+    h_res = (b_res + a[2] * torch.tanh(d_res)).reshape(*d_res.shape[:-1], n, n)
     return h_pre, h_post, h_res
 
 
