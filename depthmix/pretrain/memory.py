@@ -151,6 +151,7 @@ def _recompute_inputs(geometry, chunk: int, chunk_layers: List[int], elem: int,
 
 
 _GEOMETRIES: dict = {}
+_RECOMPUTE_INPUTS: dict = {}
 
 
 def _geometry(run: RunConfig, config, layout):
@@ -204,7 +205,11 @@ def estimate(run: RunConfig, world_size: int, config=None) -> List[RankMemory]:
             params += sum(per_layer_params[i] for i in layers)
             unrolled = [u for u in range(x.layers) if chunk_of(u) == c]
             if recompute:
-                held = _recompute_inputs(geometry, c, unrolled, act, b, views)
+                key = (id(geometry), c, act, b)
+                if key not in _RECOMPUTE_INPUTS:
+                    _RECOMPUTE_INPUTS[key] = _recompute_inputs(geometry, c, unrolled, act, b,
+                                                               views)
+                held = _RECOMPUTE_INPUTS[key]
                 rebuilt = max([rebuilt] + [layer_bytes[u] for u in unrolled])
             else:
                 held = sum(layer_bytes[u] for u in unrolled)

@@ -266,6 +266,9 @@ def plan(run: RunConfig, cluster: Cluster):
 
 
 def why_slower(loser: Candidate, winner: Candidate) -> str:
+    if loser.step_seconds <= winner.step_seconds * 1.001:
+        return (f"same time, {(loser.peak_bytes - winner.peak_bytes) / GIB:.1f} GiB more "
+                "memory")
     deltas = {k: loser.seconds[k] - winner.seconds[k] for k in TERMS}
     term = max(deltas, key=deltas.get)
     return f"+{deltas[term]:.3f} s {term}"

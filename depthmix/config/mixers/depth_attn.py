@@ -208,12 +208,13 @@ def extra_io_per_token(config) -> int:
 
 
 def view_entries(config, tp: int) -> Dict[str, float]:
-    """One entry per source layer is a view of the layer's fused QKV output,
-    ``(H + 2 H_kv) d_h / tp`` a token (measured: the source's key entry's storage)."""
-    if not config.mixer.carries_keys:
+    """A source layer that mixes nothing itself passes its own value on: ``ṽ_j`` is a view
+    of its fused QKV output, ``(H + 2 H_kv) d_h / tp`` a token."""
+    if not config.mixer.mixes_values:
         return {}
+    schedule = DepthSchedule.from_config(config)
     qkv = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels / tp
-    return {key_name(j): qkv for j in DepthSchedule.from_config(config).source_layers}
+    return {value_name(j): qkv for j in schedule.source_layers if not schedule.sources(j)}
 
 
 def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
