@@ -37,6 +37,10 @@ Micro-batches in flight at the 1F1B peak (``r`` pipeline rank, ``m`` micro-batch
     1F1B         min(m, P - r)
     interleaved  min(m V, 2 (P - r - 1) + (V - 1) P + 1)    chunk-micro-batches
 
+A rank's activation peak: in flight x the mean of its chunks' per-micro-batch bytes, plus
+the head's (one micro-batch: its backward follows at once) and, with recomputation, the
+one rebuilt layer.
+
 Pipeline buffers: each in-flight micro-batch holds its received tensor (the transport's
 wire size) and the rank sends one at a time: ``(in flight + 1) x wire bytes``.
 """

@@ -315,10 +315,8 @@ def split_argv(argv: Sequence[str]):
         if key not in types or key == "micro_batch_sizes":
             raise ConfigError(f"cluster.{key} is unknown; choose from "
                               f"{sorted(k for k in types if k != 'micro_batch_sizes')}")
-        current = getattr(cluster, key)
         caster = str if key == "gpu" else (int if key in ("gpus", "nodes") else float)
         setattr(cluster, key, caster(value) if value not in ("null", "") else None)
-        del current
     return cluster, rest
 
 
