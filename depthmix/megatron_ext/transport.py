@@ -106,8 +106,13 @@ class TransportGeometry:
     def numel_per_sample(self, entry: Entry) -> int:
         return self.seq_of(entry) * entry.numel_per_token
 
+    @cached_property
+    def _payload_numel(self) -> Tuple[int, ...]:
+        return tuple(sum(self.numel_per_sample(e) for e in self.entering(c).sent)
+                     for c in range(self.layout.num_chunks))
+
     def payload_numel_per_sample(self, chunk: int) -> int:
-        return sum(self.numel_per_sample(e) for e in self.sent_into(chunk))
+        return self._payload_numel[chunk]
 
     def rows(self, chunk: int) -> int:
         """Rows of the ``[rows, b, hidden]`` tensor entering ``chunk`` (any ``b``)."""

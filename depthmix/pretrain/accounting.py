@@ -1,4 +1,4 @@
-"""FLOPs, throughput/MFU and memory estimates.
+"""FLOPs, throughput/MFU and parameter counts.
 
 FLOPs per token (2 FLOPs per multiply-add; ``L`` = unrolled layers = ``num_layers *
 n_loops``, ``h`` hidden, ``f`` FFN, ``H``/``H_kv`` query/KV heads, ``d_h`` head dim,
@@ -21,6 +21,9 @@ our TFLOP/s and MFU compare with theirs; ShortSWA likewise counts ``min(w, s)`` 
 query. The embedding lookup and norms are not counted; neither is activation recomputation
 (this is model FLOPs utilisation, not hardware). Each mixer's hook documents its closed
 form in its docstring (``depthmix/megatron_ext/mixers/<method>.py``).
+
+Memory per pipeline rank (weights, gradients, optimizer state, saved activations,
+pipeline buffers): :mod:`depthmix.pretrain.memory`.
 
 Parameters: the vanilla layer (:func:`layer_params`), embedding, final norm and output
 layer, plus ShortSWA's sublayer (:func:`short_swa_layer_params`) and what the mixer's
@@ -238,111 +241,6 @@ def _stored_layer_params(x: Shape, tp: int, extra) -> List[int]:
     per_layer = layer_params(x, tp)
     base = per_layer["sharded"] + per_layer["replicated"] + short_swa_layer_params(x, tp)
     return [base + extra.layer(i) for i in range(x.stored_layers)]
-
-
-@dataclass
-class RankEstimate:
-    pp_rank: int
-    global_ranks: str
-    chunks: List[dict]  # {"chunk", "layers": range, "embedding", "head"}
-    params: int
-    weight_bytes: float  # params + grads + optimizer state
-    activation_bytes: float
-    inflight_microbatches: int
-    payload_bytes: int  # depth state + hidden sent to the next stage, per micro-batch
-
-    @property
-    def total_bytes(self) -> float:
-        return self.weight_bytes + self.activation_bytes
-
-
-def bytes_per_param(run: RunConfig, dp: int) -> float:
-    """Weights + fp32 main grads + Adam (and fp32 master weights with bf16/fp16); the
-    distributed optimizer shards the master weights and moments over DP."""
-    distopt = run.parallel.distributed_optimizer
-    if run.train.precision == "fp32":
-        weights, grads, state = 4, 4, 8
-    else:
-        weights, grads, state = 2, 4, 12
-    return weights + grads + (state / dp if distopt else state)
-
-
-def activation_elems_per_token(x: Shape, tp: int, sp: bool) -> Dict[str, float]:
-    """Elements one layer saves for backward per token on one TP rank (SDPA/flash core:
-    no s x s matrix). Hidden-side: the two norm inputs and outputs (4h, sharded only with
-    sequence parallelism); head-side: q, k, v after QK-norm/RoPE, q and k before it, the
-    attention output ((3H + 3H_kv) d_h); MLP: gate, up, silu(gate), their product (4f)."""
-    hidden = 4 * x.hidden / (tp if sp else 1)
-    heads = (3 * x.heads + 3 * x.kv_heads) * x.head_dim / tp
-    mlp = 4 * x.ffn / tp
-    return {"hidden": hidden, "layer": hidden + heads + mlp,
-            "layer_input": x.hidden / (tp if sp else 1)}
-
-
-def inflight_microbatches(pp: int, vp: int, pp_rank: int, num_micro: int) -> int:
-    """Chunk-micro-batches whose activations a rank holds at the 1F1B peak."""
-    if vp == 1:
-        return min(num_micro, pp - pp_rank)
-    warmup = (pp - pp_rank - 1) * 2 + (vp - 1) * pp
-    return min(num_micro * vp, warmup + 1)
-
-
-def estimate(run: RunConfig, world_size: int, config=None) -> List[RankEstimate]:
-    """Per pipeline rank (all TP/DP ranks of a stage are alike): parameters, bytes for
-    weights/grads/optimizer, activation bytes at the pipeline peak. ``config``: what the
-    mixer's hooks read (default :func:`depthmix.config.megatron.plan_config`)."""
-    from depthmix.config.validate import data_parallel_size
-    from depthmix.megatron_ext.layout import PipelineLayout
-
-    p, t = run.parallel, run.train
-    x = Shape.of(run)
-    tp, pp, vp = p.tp, p.pp, p.vp or 1
-    dp = data_parallel_size(run, world_size)
-    config = config if config is not None else _plan_config(run)
-    extra = _mixer(run).extra_params(config, tp)
-    layout = PipelineLayout(x.stored_layers, pp, vp)
-    per_layer = _stored_layer_params(x, tp, extra)
-    act_bytes = 4 if t.precision == "fp32" else 2
-    act = activation_elems_per_token(x, tp, p.sequence_parallel)
-    tokens_per_micro = t.micro_batch_size * x.seq
-    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    geometry = _geometry(run, config, layout)
-    loops = x.layers // x.stored_layers
-
-    out = []
-    for r in range(pp):
-        chunks, params, payload = [], 0, 0
-        head_here = False
-        for v in range(vp):
-            c = layout.chunk(r, v)
-            first, last = c == 0, c == layout.num_chunks - 1
-            head_here |= last
-            layers = layout.layers(c)
-            params += sum(per_layer[i] for i in layers)
-            if first:
-                params += x.vocab * x.hidden // tp + extra.stem
-            if last:
-                params += x.vocab * x.hidden // tp + x.hidden + extra.head
-            else:
-                payload = max(payload, geometry.payload_bytes(c + 1, t.micro_batch_size,
-                                                              act_bytes))
-            chunks.append({"chunk": c, "layers": layers, "embedding": first, "head": last})
-        inflight = inflight_microbatches(pp, vp, r, num_micro)
-        layers_per_chunk = layout.layers_per_chunk * loops
-        if p.recompute == "full":
-            per_token = inflight * layers_per_chunk * act["layer_input"] + act["layer"]
-        else:
-            per_token = inflight * layers_per_chunk * act["layer"]
-        activation = per_token * tokens_per_micro * act_bytes
-        if head_here:  # logits (activation dtype) + fp32 softmax of the loss, 1 micro-batch
-            activation += tokens_per_micro * x.vocab / tp * (act_bytes + 4)
-        lo, hi = r * tp * dp, (r + 1) * tp * dp - 1
-        out.append(RankEstimate(
-            pp_rank=r, global_ranks=f"{lo}-{hi}" if hi > lo else f"{lo}", chunks=chunks,
-            params=params, weight_bytes=params * bytes_per_param(run, dp),
-            activation_bytes=activation, inflight_microbatches=inflight, payload_bytes=payload,
-        ))
-    return out
 
 
 def _geometry(run: RunConfig, config, layout):

@@ -3,7 +3,8 @@
 Prints the resolved config, the parallel layout (TP/PP/VP/DP sizes, which layers and
 pipeline chunks each PP rank holds, which global ranks form each stage), the parameter
 count and the per-rank memory estimate (weights + grads + optimizer, activations at the
-pipeline peak; see :mod:`depthmix.pretrain.accounting`), FLOPs per token, and exits.
+pipeline peak, pipeline buffers; see :mod:`depthmix.pretrain.memory`, which the planner
+``depthmix-plan`` also reads), FLOPs per token, and exits.
 Nothing is allocated and no process group is created, so it runs on a login node:
 
     depthmix-train model=3b parallel=tp2_pp4 train=paper train.dry_run=true parallel.world_size=64
@@ -43,6 +44,7 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
     from depthmix.config.megatron import plan_config
     from depthmix.config.validate import data_parallel_size
     from depthmix.pretrain import accounting as acc
+    from depthmix.pretrain import memory
 
     p, t = run.parallel, run.train
     dp = data_parallel_size(run, world_size)
@@ -60,7 +62,7 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
       f"{num_micro} micro-batches x dp {dp}; {t.global_batch_size * run.model.seq_length:,} "
       "tokens per step\n")
     config = plan_config(run)  # what the mixer's hooks read, once
-    estimates = acc.estimate(run, world_size, config)
+    estimates = memory.estimate(run, world_size, config)
     for e in estimates:
         parts = []
         for c in e.chunks:
@@ -71,15 +73,17 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
         w(f"  pp rank {e.pp_rank} (global ranks {e.global_ranks}): {'; '.join(parts)}\n")
     w("\n# per-rank memory estimate (one TP x DP rank of each stage)\n")
     w(f"{'pp rank':>7} {'params':>10} {'weights+grads+optim':>20} {'activations':>12} "
-      f"{'in flight':>9} {'total':>10} {'sends/micro-batch':>18}\n")
+      f"{'in flight':>9} {'total':>10} {'sends/micro-batch':>18} {'p2p buffers':>12}\n")
     for e in estimates:
-        w(f"{e.pp_rank:>7} {acc.human(e.params):>10} {acc.gib(e.weight_bytes):>20} "
+        w(f"{e.pp_rank:>7} {acc.human(e.params):>10} {acc.gib(e.state_bytes):>20} "
           f"{acc.gib(e.activation_bytes):>12} {e.inflight_microbatches:>9} "
           f"{acc.gib(e.total_bytes):>10} "
-          f"{f'{e.payload_bytes / 2**20:.1f} MiB' if e.payload_bytes else '-':>18}\n")
+          f"{f'{e.payload_bytes / 2**20:.1f} MiB' if e.payload_bytes else '-':>18} "
+          f"{acc.gib(e.p2p_buffer_bytes):>12}\n")
     total = acc.total_params(run, config)
+    per_param = memory.state_bytes_per_param(t.precision, p.distributed_optimizer, dp)
     w(f"model parameters: {acc.human(total)} ({total:,}); bytes/param for weights+grads+"
-      f"optimizer: {acc.bytes_per_param(run, dp):.2f} ({t.precision}"
+      f"optimizer: {sum(per_param.values()):.2f} ({t.precision}"
       f"{', distributed optimizer' if p.distributed_optimizer else ''})\n")
     flops = acc.flops_per_token(run, config)
     vanilla = flops["linear"] + flops["attention"] + flops["head"]
@@ -89,8 +93,8 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
       f"{acc.human(flops['linear'])} + attention {acc.human(flops['attention'])} + head "
       f"{acc.human(flops['head'])} + mixer {acc.human(flops['mixer'])}{swa}; "
       f"+{100 * extra / vanilla:.2f}% over vanilla)\n")
-    w("Estimates exclude the CUDA context, communication buffers, fragmentation and "
-      "mixer-specific saved activations beyond the depth state.\n")
+    w(f"Estimates (depthmix.pretrain.memory) exclude the CUDA context, NCCL buffers and "
+      f"fragmentation: keep about {memory.RESERVE_GIB:.0f} GiB a device free for them.\n")
 
 
 def main(run: RunConfig, world_size: Optional[int] = None, out: TextIO = sys.stdout) -> int:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from depthmix.pretrain import accounting as acc
+from depthmix.pretrain import memory
 from depthmix.testing import build_model, tiny_run
 
 
@@ -65,7 +66,7 @@ def test_parameter_count_matches_the_model(megatron_single):
     model = build_model(run)
     numel = sum(p.numel() for p in model.parameters())
     assert acc.total_params(run) == numel
-    (only,) = acc.estimate(run, world_size=1)
+    (only,) = memory.estimate(run, world_size=1)
     assert only.params == numel
 
 
@@ -89,10 +90,10 @@ def test_peak_table_and_mfu():
 
 def test_inflight_microbatches():
     # 1F1B: stage r keeps pp - r micro-batches; never more than there are
-    assert [acc.inflight_microbatches(4, 1, r, 32) for r in range(4)] == [4, 3, 2, 1]
-    assert acc.inflight_microbatches(4, 1, 0, 2) == 2
+    assert [memory.inflight_microbatches(4, 1, r, 32) for r in range(4)] == [4, 3, 2, 1]
+    assert memory.inflight_microbatches(4, 1, 0, 2) == 2
     # interleaved (Megatron's warm-up count + 1)
-    assert acc.inflight_microbatches(4, 2, 0, 32) == (4 - 1) * 2 + 4 + 1
+    assert memory.inflight_microbatches(4, 2, 0, 32) == (4 - 1) * 2 + 4 + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -184,7 +185,7 @@ def test_parameter_count_matches_every_mixer(megatron_single, variant):
     layers = run.model.num_layers
     for tp, pp, vp in ((1, 1, 1), (2, 2, 1), (2, 2, layers // 2)):
         run.parallel.tp, run.parallel.pp, run.parallel.vp = tp, pp, vp if vp > 1 else None
-        estimate = acc.estimate(run, world_size=tp * pp)
+        estimate = memory.estimate(run, world_size=tp * pp)
         assert [e.params for e in estimate] == _stage_params(run, model, tp, pp, vp), (tp, pp, vp)
 
 

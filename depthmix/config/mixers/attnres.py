@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from depthmix.config.mixers.base import ExtraParams, Mixer, MixerConfig, model_spec_in
+from depthmix.config.mixers.base import SavedActivations
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.depth_state import STEM, DepthState, Entry
 
@@ -263,12 +264,24 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
     return ExtraParams(layers=(2 * 2 * d,) * config.num_layers, head=2 * d)
 
 
-MIXER_FULL = Mixer(name="attnres_full", config_cls=AttnResConfig,
+def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
+    """Each read over ``n`` sources (every sublayer, and the head) saves the stacked
+    sources twice (values and normalised keys) and the flattened keys, ``3 n h``, plus
+    their 1/rms and softmax weights ``2n`` (on the sequence shard)."""
+    geo = AttnResGeometry.from_config(config)
+    t = tp if config.sequence_parallel else 1
+    per_read = lambda i: (3 * config.hidden_size + 2) * len(geo.sources(i)) / t  # noqa: E731
+    layers: dict = {}
+    for i in range(1, geo.head):
+        layers[geo.layer_of(i)] = layers.get(geo.layer_of(i), 0.0) + per_read(i)
+    return SavedActivations(layers=layers, head=per_read(geo.head))
+
+MIXER_FULL = Mixer(saved_activations=saved_activations, name="attnres_full", config_cls=AttnResConfig,
                    model_spec=model_spec_in("attnres", "get_attnres_model_spec"),
                    plan=attnres_plan,
                    extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
                    extra_params=extra_params)
-MIXER_BLOCK = Mixer(name="attnres_block", config_cls=BlockAttnResConfig,
+MIXER_BLOCK = Mixer(saved_activations=saved_activations, name="attnres_block", config_cls=BlockAttnResConfig,
                     model_spec=model_spec_in("attnres", "get_attnres_model_spec"),
                    plan=attnres_plan,
                     extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,

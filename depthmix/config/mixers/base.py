@@ -8,7 +8,7 @@ and is imported when a model is built (:func:`model_spec_in`).
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
 from depthmix.config.schema import ConfigError
@@ -69,6 +69,20 @@ NO_EXTRA_PARAMS = ExtraParams()
 
 
 @dataclass(frozen=True)
+class SavedActivations:
+    """What a mixer saves for backward beyond the vanilla layer, in elements per token of
+    one micro-batch on one TP rank (activation dtype)."""
+
+    layers: Dict[int, float] = field(default_factory=dict)
+    """Per unrolled layer index."""
+    head: float = 0.0
+    """Next to the final norm and output layer."""
+
+
+NO_SAVED = SavedActivations()
+
+
+@dataclass(frozen=True)
 class Mixer:
     """A registered depth-mixing method."""
 
@@ -107,6 +121,19 @@ class Mixer:
     ``tp``, replicated ones whole; ``tp = 1`` is the whole model), per stored layer and
     on the stem/head. ShortSWA is not included (the accounting adds it). Used for the
     parameter count and the dry run's per-stage memory estimate."""
+    saved_activations: Callable = lambda config, tp, micro_batch: NO_SAVED
+    """``(DepthMixConfig, tp, micro_batch) -> SavedActivations``: elements per token the
+    method's own autograd graph saves for backward beyond the vanilla layer (its depth
+    state as its ops save it, coefficients, stacks, norms), per unrolled layer and at the
+    head, on one TP rank (hidden-side tensors divided by ``tp`` under sequence
+    parallelism). Each hook documents its closed form; ``depthmix.pretrain.memory`` adds
+    it to the vanilla layer and tests/ops/test_memory_model.py checks it against
+    measurement."""
+    view_entries: Callable = lambda config, tp: {}
+    """``(DepthMixConfig, tp) -> {name: elements per token}``: depth-state entries that are
+    views of a larger tensor (a reused value inside its layer's fused QKV output), with
+    that tensor's size on one TP rank: under full recomputation the checkpoint keeps the
+    whole tensor alive, which the memory model counts."""
     bind: Optional[Callable] = None
     """``(DepthMixModel) -> None``, called once on every built model chunk: for mixers
     whose modules need each other (AttnRes' two-phase inference reads a whole block's

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import List
 
 from depthmix.config.mixers.base import ExtraParams, Mixer, MixerConfig, model_spec_in
+from depthmix.config.mixers.base import SavedActivations
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.depth_state import STEM, Entry
 
@@ -91,7 +92,17 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
     return ExtraParams(layers=(2 * ((dv + 1) * h + 2 * dv + 1),) * config.num_layers, head=dv)
 
 
-MIXER = Mixer(name="ddl", config_cls=DDLConfig,
+def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
+    """Per sublayer (two a layer; ``d_v`` value channels): the ``h x d_v`` state it reads,
+    the write's input, output and key ``3h``, ``3 d_v + 4`` for the gates and 1/rms; the
+    read-out saves the final state ``h d_v``. All on the sequence shard."""
+    h, dv = config.hidden_size, config.mixer.value_channels
+    t = tp if config.sequence_parallel else 1
+    per = 2 * (h * dv + 3 * h + 3 * dv + 4) / t
+    return SavedActivations(layers={u: per for u in range(config.unrolled_layers)},
+                            head=h * dv / t)
+
+MIXER = Mixer(name="ddl", saved_activations=saved_activations, config_cls=DDLConfig,
               model_spec=model_spec_in("ddl", "get_ddl_model_spec"), plan=ddl_plan,
               extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
               extra_params=extra_params)

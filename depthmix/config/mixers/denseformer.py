@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import List
 
 from depthmix.config.mixers.base import ExtraParams, Mixer, MixerConfig, model_spec_in
+from depthmix.config.mixers.base import SavedActivations
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.depth_state import STEM, Entry
 
@@ -123,7 +124,16 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
         for u in range(n)))
 
 
-MIXER = Mixer(name="denseformer", config_cls=DenseFormerConfig,
+def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
+    """Each DWA after block ``i`` saves the stack of its ``|S(i)|`` sources, ``h |S(i)|``
+    (on the sequence shard)."""
+    geo = DWAGeometry.from_config(config)
+    t = tp if config.sequence_parallel else 1
+    return SavedActivations(layers={
+        i - 1: config.hidden_size * len(geo.sources(i)) / t
+        for i in range(1, config.unrolled_layers + 1) if geo.has_dwa(i)})
+
+MIXER = Mixer(name="denseformer", saved_activations=saved_activations, config_cls=DenseFormerConfig,
               model_spec=model_spec_in("denseformer", "get_denseformer_model_spec"), plan=denseformer_plan,
               extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
               extra_params=extra_params)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional, Tuple
 
 from depthmix.config.mixers.base import Mixer, MixerConfig, model_spec_in, residual_stream_entry
+from depthmix.config.mixers.base import SavedActivations
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.depth_state import Entry
 
@@ -207,7 +208,28 @@ def extra_io_per_token(config) -> int:
                for u in range(config.unrolled_layers) if schedule.sources(u))
 
 
-MIXER = Mixer(name="depth_attn", config_cls=DepthAttnConfig,
+def view_entries(config, tp: int) -> Dict[str, float]:
+    """A source layer that mixes nothing itself passes its own value on: ``ṽ_j`` is a view
+    of its fused QKV output, ``(H + 2 H_kv) d_h / tp`` a token."""
+    if not config.mixer.mixes_values:
+        return {}
+    schedule = DepthSchedule.from_config(config)
+    qkv = (config.num_attention_heads + 2 * config.num_query_groups) * config.kv_channels / tp
+    return {value_name(j): qkv for j in schedule.source_layers if not schedule.sources(j)}
+
+
+def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
+    """Per layer ``l`` that mixes over depth sources ``S_l`` (one TP rank, ``H_kv`` local
+    KV heads): the stacked depth keys and values ``2 H_kv d_h`` and the depth logits with
+    the layer's own ``H_kv (|S_l| + 1)``."""
+    schedule = DepthSchedule.from_config(config)
+    kv, dh = config.num_query_groups / tp, config.kv_channels
+    return SavedActivations(layers={
+        u: 2 * kv * dh + kv * (len(schedule.sources(u)) + 1)
+        for u in range(config.unrolled_layers) if schedule.sources(u)})
+
+MIXER = Mixer(name="depth_attn", saved_activations=saved_activations,
+              view_entries=view_entries, config_cls=DepthAttnConfig,
               model_spec=model_spec_in("depth_attn", "get_depth_attn_model_spec"),
               plan=depth_attn_plan, extra_flops_per_token=extra_flops_per_token,
               extra_io_per_token=extra_io_per_token, extra_state_per_token=lambda config: 0)

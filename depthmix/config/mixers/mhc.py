@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Tuple
 
 from depthmix.config.mixers.base import ExtraParams, Mixer, MixerConfig, model_spec_in
+from depthmix.config.mixers.base import SavedActivations
 from depthmix.config.schema import ConfigError
 from depthmix.megatron_ext.depth_state import STEM, Entry
 
@@ -107,7 +108,19 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
     return ExtraParams(layers=(2 * (n * h * m + gates + m),) * config.num_layers)
 
 
-MIXER = Mixer(name="mhc", config_cls=MHCConfig,
+def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
+    """Per hyper-connection (two a layer; ``n`` streams, ``K`` Sinkhorn iterations for
+    ``variant=mhc``, else 0): the widened input and its norm ``2 n h``, the read-out ``h``,
+    the coefficient logits ``n (n + 2)`` and their 1/rms, ``n^2 + 2n + 1``, and Sinkhorn's
+    ``n^2 (2K + 1) + n (2K + 2)``. All on the sequence shard."""
+    m = config.mixer
+    n, h, k = m.streams, config.hidden_size, m.sinkhorn_iters if m.variant == "mhc" else 0
+    per = (n * n * (2 * k + 1) + n * (2 * k + 2) + 2 * n * h + h + n * (n + 2)
+           + n * n + 2 * n + 1)
+    t = tp if config.sequence_parallel else 1
+    return SavedActivations(layers={u: 2 * per / t for u in range(config.unrolled_layers)})
+
+MIXER = Mixer(name="mhc", saved_activations=saved_activations, config_cls=MHCConfig,
               model_spec=model_spec_in("mhc", "get_mhc_model_spec"), plan=mhc_plan,
               extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
               extra_params=extra_params)

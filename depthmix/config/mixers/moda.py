@@ -11,6 +11,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 from depthmix.config.mixers.base import (
+    SavedActivations,
     ExtraParams,
     Mixer,
     MixerConfig,
@@ -233,7 +234,47 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
         for u in range(config.num_layers)))
 
 
-MIXER = Mixer(name="moda", config_cls=MoDAConfig,
+def view_entries(config, tp: int) -> Dict[str, float]:
+    """Values are views (keys are QK-normalised copies): a reused attention value
+    (``attn_kv_proj=false``) of the layer's fused QKV output ``(H + 2 H_kv) d_h``, a
+    projected value of its projection's ``k|v`` output ``2 H_kv d_h`` (per TP rank)."""
+    geo = MoDAGeometry.from_config(config)
+    dh, kv = config.kv_channels, config.num_query_groups / tp
+    qkv = config.num_attention_heads / tp * dh + 2 * kv * dh
+    out = {}
+    for s in geo.stored_sources():
+        value = s.entry_names()[1]
+        out[value] = 2 * kv * dh if _projects(config, s.kind) else qkv
+    return out
+
+
+def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
+    """Layer ``l`` reading ``D_l`` depth entries runs the joint sequence+depth attention in
+    place of SDPA (local ``H``/``H_kv`` heads): its scores over ``s + D_l`` keys
+    ``H (s + D_l)``, the depth keys and values with the sequence ones ``2 H_kv d_h (D_l +
+    1)``, depth logits ``2 H_kv D_l``, less SDPA's log-sum-exp ``H``, and the causal mask
+    (``s^2`` bytes a micro-batch, counted here as fp32-sized elements ``s / 4b``: the
+    tests run fp32). Each projected entry (written by layer ``p``) saves the projection's
+    input ``h / t``, its ``k|v`` output, normalised key and 1/rms ``3 H_kv d_h + H_kv`` and
+    RoPE tables ``2 s d_h / (b s)``."""
+    geo = MoDAGeometry.from_config(config)
+    s, dh = config.seq_length, config.kv_channels
+    heads, kv = config.num_attention_heads / tp, config.num_query_groups / tp
+    t = tp if config.sequence_parallel else 1
+    layers: dict = {}
+    for u in range(geo.unrolled):
+        d = len(geo.visible(u))
+        if d:
+            layers[u] = (heads * (s + d) + 2 * kv * dh * (d + 1) + 2 * kv * d - heads
+                         + s / (4 * micro_batch))
+    for source in geo.stored_sources():
+        if _projects(config, source.kind):
+            layers[source.layer] = layers.get(source.layer, 0.0) + (
+                config.hidden_size / t + 3 * kv * dh + kv + 2 * dh / micro_batch)
+    return SavedActivations(layers=layers)
+
+MIXER = Mixer(name="moda", saved_activations=saved_activations,
+              view_entries=view_entries, config_cls=MoDAConfig,
               model_spec=model_spec_in("moda", "get_moda_model_spec"), plan=moda_plan,
               extra_flops_per_token=extra_flops_per_token,
               extra_io_per_token=extra_io_per_token, extra_state_per_token=extra_state_per_token,

@@ -1,0 +1,71 @@
+"""The memory model (depthmix.pretrain.memory) against what real training steps hold, per
+rank: bytes saved for backward per micro-batch within 10%, parameter, gradient and
+optimizer-state bytes exact.
+
+One launch of two gloo ranks runs every mixer at DP2 + distributed optimizer and, in
+rotation, at TP2 + sequence parallelism, PP2, PP2 x VP2 and PP2 with full recomputation
+(every layout sees at least one depth-state mixer). DEPTHMIX_MEMORY_MATRIX=1 runs every
+mixer at every layout (about 4x longer).
+"""
+
+import os
+
+import pytest
+
+from depthmix.pretrain import memory
+from depthmix.testing import spawn, tiny_run
+
+from memory_probe import probe_runs
+
+MIXERS = ["vanilla", "depth_attn", "mhc", "ddl", "attnres_full", "attnres_block",
+          "denseformer", "moda"]
+LAYOUTS = {
+    "dp2_distopt": {"distributed_optimizer": True},
+    "tp2_sp": {"tp": 2, "sequence_parallel": True},
+    "pp2": {"pp": 2},
+    "pp2_vp2": {"pp": 2, "vp": 2},
+    "pp2_recompute": {"pp": 2, "recompute": "full"},
+}
+ROTATION = ["tp2_sp", "pp2", "pp2_vp2", "pp2_recompute"]
+
+
+def _cases():
+    if os.environ.get("DEPTHMIX_MEMORY_MATRIX") == "1":
+        return [(m, lay) for lay in LAYOUTS for m in MIXERS]
+    cases = [(m, "dp2_distopt") for m in MIXERS]
+    cases += [(m, ROTATION[i % len(ROTATION)]) for i, m in enumerate(MIXERS)]
+    return sorted(cases, key=lambda c: list(LAYOUTS).index(c[1]))  # one layout at a time
+
+
+def _run(mixer, layout):
+    run = tiny_run(mixer)
+    run.train.micro_batch_size, run.train.global_batch_size = 2, 4
+    for k, v in LAYOUTS[layout].items():
+        setattr(run.parallel, k, v)
+    return run
+
+
+@pytest.fixture(scope="module")
+def measured():
+    cases = _cases()
+    runs = [_run(*c) for c in cases]
+    return dict(zip(cases, spawn(probe_runs, 2, (runs,), timeout=900)[0]))
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c[0]}-{c[1]}")
+def test_memory_model_matches_measurement(measured, case):
+    run = _run(*case)
+    model = memory.estimate(run, world_size=2)
+    distopt = run.parallel.distributed_optimizer
+    for rank in measured[case]:
+        est = model[rank["pp_rank"]]
+        assert rank["param_bytes"] == est.weight_bytes, case
+        assert rank["grad_bytes"] == est.grad_bytes, case
+        if not distopt:
+            assert rank["optimizer_bytes"] == est.optimizer_bytes, case
+        predicted = sum(est.saved_per_micro)
+        assert predicted == pytest.approx(rank["saved_per_micro"], rel=0.10), (case, rank)
+    if distopt:  # DP2, one stage: the two shards add up to the whole state exactly
+        shards = [r["optimizer_bytes"] for r in measured[case]]
+        assert sum(shards) == 2 * model[0].optimizer_bytes, case
+        assert max(shards) == pytest.approx(model[0].optimizer_bytes, rel=0.01), case
