@@ -97,13 +97,8 @@ class DepthWeightedAverage(StateHook):
 def depth_weighted_average(xs: List[Tensor], alpha: Tensor) -> Tensor:
     """``sum_j alpha_j xs[j]``, accumulated in fp32 (fp64 for fp64), ``xs[j] [s, b, h]``."""
     acc = torch.promote_types(xs[0].dtype, torch.float32)
-    weights = alpha.to(acc).unbind()
-    # a chain of multiply-adds rather than stack + tensordot: no [S, s, b, h] copy, and
-    # a compiled layer fuses the whole sum into one elementwise kernel
-    total = weights[0] * xs[0].to(acc)
-    for w, x in zip(weights[1:], xs[1:]):
-        total = total + w * x.to(acc)
-    return total.to(xs[0].dtype)
+    stacked = torch.stack([x.to(acc) for x in xs])  # [S, s, b, h]
+    return torch.tensordot(alpha.to(acc), stacked, dims=1).to(xs[0].dtype)
 
 
 class DenseFormerStem(StateStem):
