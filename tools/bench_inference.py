@@ -74,7 +74,7 @@ def build_models(args):
     runs = build_runs(SimpleNamespace(
         mixers=args.mixers, impl=args.impl, model=args.model, option=args.option,
         micro_batch=args.batch, precision=args.precision, layers=args.layers,
-        seq=args.prefill + args.decode, recompute=False))
+        seq=args.prefill + args.decode, recompute=False, model_option=[], compile="eager"))
     labelled = []
     for name, _, run in runs:
         labelled.append((name, run))
