@@ -64,11 +64,6 @@ def check_compile(run: RunConfig) -> None:
         raise ConfigError(f"train.compile=true needs torch >= "
                           f"{'.'.join(map(str, COMPILE_MIN_TORCH))} (found {found}); "
                           "set train.compile=false")
-    if getattr(run.mixer, "impl", "torch") == "triton":
-        raise ConfigError(
-            "train.compile=true with mixer.impl=triton: the Triton kernels are not registered "
-            "as custom ops yet, so each layer's graph would break around them; use "
-            "mixer.impl=torch (compilation fuses its elementwise work) or train.compile=false")
     if not _has_cuda_device() and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         raise ConfigError("train.compile=true on CPU needs a C++ compiler for inductor (none "
                           "of c++, g++, clang++ on PATH); set train.compile=false")

@@ -42,3 +42,26 @@ def last_dim_contiguous(*tensors: Optional[Tensor]) -> List[Optional[Tensor]]:
     """Each tensor with unit stride in its last dim (a copy only where it has not; None
     passes through): what the kernels' row loads assume."""
     return [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+# ---- custom ops ---------------------------------------------------------------------------
+# Each op's launchers run behind ``torch.library.custom_op`` (``<op>/function.py``): an
+# opaque node with a fake implementation (output shapes, dtypes and strides, for tracing)
+# and a registered autograd formula whose backward is itself a custom op. ``torch.compile``
+# then keeps a Triton op inside a compiled layer's graph instead of breaking it there, and
+# Inductor fuses the PyTorch work around it. ``custom_op`` rather than ``triton_op``: the
+# launchers pick tiles on the host and attnres passes its sources as a table of
+# ``data_ptr()`` values, which Inductor cannot trace (and need not: the kernel is already
+# fused). A custom op's schema has no optional outputs, so an output the options do not
+# produce is an empty 1-D tensor on the way out (:func:`present`) and None again once
+# outside (:func:`absent`); no real output or gradient of these ops is 1-D and empty.
+
+
+def present(t: Optional[Tensor], like: Tensor) -> Tensor:
+    """``t``, or an empty 1-D placeholder of ``like``'s dtype and device for None."""
+    return like.new_empty(0) if t is None else t
+
+
+def absent(t: Optional[Tensor]) -> Optional[Tensor]:
+    """None for a :func:`present` placeholder (or None), else ``t``."""
+    return None if t is None or (t.dim() == 1 and t.numel() == 0) else t

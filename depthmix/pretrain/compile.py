@@ -8,7 +8,9 @@ structure share one compiled body (parameters are graph inputs, not constants); 
 whose depth state differs from layer to layer (Full/Block AttnRes, DenseFormer, MoDA: the
 number of sources grows with depth) compiles one body per distinct layer, never more.
 Recompiling beyond that is an error (``fail_on_recompile_limit_hit``), not a silent fall
-back to eager halfway through a run.
+back to eager halfway through a run. With ``mixer.impl=triton`` the fused kernels sit in a
+layer's graph as custom ops (``torch.library``, see :mod:`depthmix.kernels._common`):
+opaque nodes that Inductor fuses around, with no graph break.
 
 Where (:func:`depthmix.pretrain.parallelize.build_model`): after the chunks are built and
 on their device, before ``Float16Module`` and DDP wrap them. ``Module.compile`` keeps the
@@ -30,11 +32,11 @@ _layers_compiled = 0
 
 
 def enabled(run: RunConfig) -> bool:
-    """``true``, or ``auto`` on CUDA with the PyTorch mixer path (the start-up checks are
+    """``true``, or ``auto`` on CUDA (the start-up checks are
     :func:`depthmix.config.preflight.check_compile`)."""
     mode = run.train.compile
     if mode == "auto":
-        return torch.cuda.is_available() and getattr(run.mixer, "impl", "torch") != "triton"
+        return torch.cuda.is_available()
     return mode == "true"
 
 

@@ -2,11 +2,13 @@
 
 * In one process: graph breaks and compiled bodies per layer stack, and no recompilation
   after the first step (a uniform stack compiles one body; a stack whose depth state grows
-  with depth at most one per layer).
+  with depth at most one per layer), beside an eager copy of the model.
 * Parity with eager through the trainer (3 steps, losses within 1e-5 relative, step-1
   gradients within 1e-5 of the norm) for every mixer at TP1 and with full recomputation.
   TP2+SP and PP2 run for three mixers by default (uniform, state-carrying and growing) and
   for every mixer with ``DEPTHMIX_COMPILE_GRID=all`` (about 15 minutes on 2 CPU cores).
+* ``mixer.impl=triton`` (the interpreter): the kernels, custom ops, stay inside each
+  layer's graph (no graph break) and the losses are eager's, for the four kernel mixers.
 * Refusals at start-up naming ``train.compile``.
 """
 
@@ -25,13 +27,17 @@ LAYOUT_MIXERS = MIXERS if os.environ.get("DEPTHMIX_COMPILE_GRID") == "all" else 
     "mhc", "depth_attn", "attnres_full"]
 
 
-def _run(mixer: str, compile_: str, **parallel):
-    """Two layers (compile time grows with the distinct layer bodies, not with the width)."""
-    run = tiny_run(mixer, **OPTIONS.get(mixer, {}))
+def _two_layers(run):
+    """Compile time grows with the distinct layer bodies, not with the width."""
     run.model.num_layers = 2
     if hasattr(run.mixer, "stride"):  # Depth-Attention: re-derive from the new depth
         run.mixer.stride = None
     run.mixer.resolve(run.model)
+    return run
+
+
+def _run(mixer: str, compile_: str, **parallel):
+    run = _two_layers(tiny_run(mixer, **OPTIONS.get(mixer, {})))
     run.train.compile = compile_
     run.train.micro_batch_size = 2
     run.train.global_batch_size = 4
@@ -40,7 +46,11 @@ def _run(mixer: str, compile_: str, **parallel):
     return run
 
 
-def _compiled_stack(mixer: str):
+def _beside_eager(run, steps: int = 3):
+    """One model eager and a copy with compiled layers, trained side by side (SGD on the
+    summed token losses). Returns the compiled model, the losses of both, the step-1
+    gradient error relative to the gradient norm, the compiled graphs after each step and
+    the graph breaks by reason."""
     from torch._dynamo.utils import counters
 
     from depthmix.pretrain.compile import compile_layers
@@ -49,27 +59,56 @@ def _compiled_stack(mixer: str):
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = build_model(tiny_run(mixer, **OPTIONS.get(mixer, {})))
-    compile_layers([model])
+    eager = build_model(run)
+    compiled = build_model(run)
+    compiled.load_state_dict(eager.state_dict())
+    compile_layers([compiled])
     tokens = torch.randint(0, 128, (2, 16))
     positions = torch.arange(16).expand(2, 16)
-    graphs = []
-    for _ in range(3):
-        model(tokens, positions, labels=tokens).sum().backward()
+    losses, graphs, grad_error = ([], []), [], None
+    for _ in range(steps):
+        for model, out in zip((eager, compiled), losses):
+            loss = model(tokens, positions, labels=tokens).sum()
+            loss.backward()
+            out.append(loss.item())
         graphs.append(counters["stats"]["unique_graphs"])
-    return model, graphs, sum(counters["graph_break"].values()), list(counters["graph_break"])
+        if grad_error is None:
+            grads = [torch.cat([p.grad.flatten() for p in m.parameters()])
+                     for m in (eager, compiled)]
+            grad_error = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
+        with torch.no_grad():
+            for p in (*eager.parameters(), *compiled.parameters()):
+                p -= 1e-2 * p.grad
+                p.grad = None
+    return compiled, losses, grad_error, graphs, dict(counters["graph_break"])
 
 
 @pytest.mark.parametrize("mixer", ["vanilla", "mhc", "attnres_full"])
 def test_one_body_per_distinct_layer_and_no_graph_break(megatron_single, mixer):
-    model, graphs, breaks, reasons = _compiled_stack(mixer)
-    assert breaks == 0, reasons
+    model, (eager, compiled), grad_error, graphs, breaks = _beside_eager(
+        tiny_run(mixer, **OPTIONS.get(mixer, {})))
+    assert not breaks, breaks
     layers = model.config.num_layers
     if mixer == "attnres_full":  # each layer reads one more source: its own body, once
         assert 1 < graphs[0] <= layers, graphs
     else:  # a uniform stack: the 4 layers share one body
         assert graphs[0] == 1, graphs
     assert graphs[1] == graphs[2] == graphs[0], f"recompiled after the first step: {graphs}"
+    assert compiled == pytest.approx(eager, rel=1e-5) and grad_error < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixer", ["depth_attn", "moda", "attnres_full", "mhc"])
+def test_triton_kernels_inside_compiled_layers(megatron_single, mixer):
+    """``mixer.impl=triton`` (the interpreter) under compilation: each kernel is a custom op
+    inside its layer's graph, so no layer breaks its graph, nothing recompiles after the
+    first step, and the losses and gradients are eager's."""
+    run = _two_layers(tiny_run(mixer, impl="triton"))
+    _, (eager, compiled), grad_error, graphs, breaks = _beside_eager(run)
+    assert not breaks, breaks
+    assert 1 <= graphs[0] <= run.model.num_layers and graphs[-1] == graphs[0], graphs
+    assert compiled == pytest.approx(eager, rel=1e-4), (compiled, eager)
+    assert grad_error < 1e-4
 
 
 def test_parameters_and_state_dict_keys_unchanged(megatron_single):
@@ -113,10 +152,9 @@ def test_parity_parallel_layouts(layout):
 def test_refusals_name_the_option(monkeypatch):
     from depthmix.config import preflight
 
-    run = tiny_run("mhc", impl="triton")
+    run = tiny_run("mhc", impl="triton")  # the kernels are custom ops: accepted
     run.train.compile = "true"
-    with pytest.raises(ConfigError, match=r"train.compile=true with mixer.impl=triton"):
-        preflight.check_compile(run)
+    preflight.check_compile(run)
     run = tiny_run("vanilla")
     run.train.compile = "true"
     monkeypatch.setattr(preflight, "COMPILE_MIN_TORCH", (99, 0))

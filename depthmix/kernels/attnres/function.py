@@ -1,38 +1,71 @@
-"""``attnres_triton``: the Triton kernels behind one ``torch.autograd.Function``."""
+"""``attnres_triton``: the Triton kernels as two PyTorch custom ops.
+
+``depthmix::attnres_fwd`` / ``depthmix::attnres_bwd`` (``torch.library``, with fake
+implementations and a registered autograd formula; see :mod:`depthmix.kernels._common`),
+so a compiled layer calls them without a graph break.
+"""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
+from depthmix.kernels._common import absent, acc_dtype, present
 from depthmix.kernels.attnres.triton import attnres_bwd, attnres_fwd, check_sources
 
 
-class AttnResFunction(torch.autograd.Function):
-    """Inputs ``(query, key_weight, out_weight, eps, out_eps, return_weights, *sources)``;
-    outputs ``(out, weights)`` with ``weights`` empty unless requested, never
-    differentiable. Saved for backward: the sources and parameters (references to live
-    tensors) and the per-token statistics ``z``, ``rstd`` ``[S, T]`` and ``lse`` ``[T]``."""
+@torch.library.custom_op("depthmix::attnres_fwd", mutates_args=())
+def _fwd(sources: List[Tensor], query: Tensor, key_weight: Tensor, out_weight: Optional[Tensor],
+         eps: float, out_eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``out [*, d]`` and the per-token statistics ``z``, ``rstd`` ``[S, T]``, ``lse [T]``."""
+    return attnres_fwd(sources, query, key_weight, eps, out_weight, out_eps)
 
-    @staticmethod
-    def forward(ctx, query, key_weight, out_weight, eps, out_eps, return_weights, *sources):
-        out, z, rstd, lse = attnres_fwd(sources, query, key_weight, eps, out_weight, out_eps)
-        weights = torch.exp(z - lse) if return_weights else z.new_empty(0)
-        ctx.mark_non_differentiable(weights)
-        ctx.save_for_backward(query, key_weight, out_weight, z, rstd, lse, *sources)
-        ctx.out_eps = out_eps
-        return out, weights
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout, dweights):
-        query, key_weight, out_weight, z, rstd, lse, *sources = ctx.saved_tensors
-        dsources, dquery, dkey, dout_weight = attnres_bwd(
-            sources, query, key_weight, out_weight, ctx.out_eps, dout, z, rstd, lse)
-        return (dquery, dkey, dout_weight, None, None, None, *dsources)
+@_fwd.register_fake
+def _(sources, query, key_weight, out_weight, eps, out_eps):
+    first = sources[0]
+    tokens = first.numel() // first.shape[-1]
+    z = first.new_empty(len(sources), tokens, dtype=acc_dtype(first.dtype))
+    return (torch.empty_like(first, memory_format=torch.contiguous_format), z,
+            torch.empty_like(z), z.new_empty(tokens))
+
+
+@torch.library.custom_op("depthmix::attnres_bwd", mutates_args=())
+def _bwd(sources: List[Tensor], query: Tensor, key_weight: Tensor, out_weight: Optional[Tensor],
+         out_eps: float, dout: Tensor, z: Tensor, rstd: Tensor, lse: Tensor
+         ) -> Tuple[List[Tensor], Tensor, Tensor, Tensor]:
+    """Gradients of the sources, ``query``, ``key_weight`` and ``out_weight`` (empty
+    without an output norm)."""
+    dsources, dquery, dkey, dout_weight = attnres_bwd(
+        sources, query, key_weight, out_weight, out_eps, dout, z, rstd, lse)
+    return dsources, dquery, dkey, present(dout_weight, query)
+
+
+@_bwd.register_fake
+def _(sources, query, key_weight, out_weight, out_eps, dout, z, rstd, lse):
+    dsources = [torch.empty_like(y, memory_format=torch.contiguous_format) for y in sources]
+    return (dsources, torch.empty_like(query), torch.empty_like(key_weight),
+            query.new_empty(0) if out_weight is None else torch.empty_like(out_weight))
+
+
+def _setup_context(ctx, inputs, output):
+    sources, query, key_weight, out_weight, _eps, out_eps = inputs
+    _out, z, rstd, lse = output
+    ctx.mark_non_differentiable(z, rstd, lse)
+    ctx.save_for_backward(query, key_weight, out_weight, z, rstd, lse, *sources)
+    ctx.out_eps = out_eps
+
+
+def _backward(ctx, dout, _dz, _drstd, _dlse):
+    query, key_weight, out_weight, z, rstd, lse, *sources = ctx.saved_tensors
+    dsources, dquery, dkey, dout_weight = torch.ops.depthmix.attnres_bwd(
+        sources, query, key_weight, out_weight, ctx.out_eps, dout, z, rstd, lse)
+    return dsources, dquery, dkey, absent(dout_weight), None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attnres_triton(
@@ -69,9 +102,9 @@ def attnres_triton(
         ``[S, *]`` in the accumulation dtype. Statistics are fp32 (fp64 for fp64 inputs).
     """
     sources = check_sources(sources)
-    out, weights = AttnResFunction.apply(
-        query, key_weight, out_weight, float(eps), float(eps if out_eps is None else out_eps),
-        return_weights, *sources)
+    out, z, _rstd, lse = torch.ops.depthmix.attnres_fwd(
+        sources, query, key_weight, out_weight, float(eps),
+        float(eps if out_eps is None else out_eps))
     if return_weights:
-        return out, weights.view(len(sources), *sources[0].shape[:-1])
+        return out, torch.exp(z - lse).view(len(sources), *sources[0].shape[:-1])
     return out

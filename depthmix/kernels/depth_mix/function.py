@@ -1,4 +1,9 @@
-"""``depth_mix_triton``: the Triton depth step behind one ``torch.autograd.Function``.
+"""``depth_mix_triton``: the Triton depth step as two PyTorch custom ops.
+
+``depthmix::depth_mix_fwd`` and ``depthmix::depth_mix_bwd`` (``torch.library``) wrap the
+launchers of ``triton.py``; the forward carries a registered autograd formula that calls
+the backward op, and both have fake implementations, so ``torch.compile`` places them in a
+compiled layer's graph without a graph break (see :mod:`depthmix.kernels._common`).
 
 Saved for backward: the inputs (activations that exist anyway: q/k/v are kept for
 sequence attention's backward, the sources are depth state) and the softmax log-sum-exp,
@@ -9,63 +14,105 @@ is stored.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from depthmix.kernels.depth_mix.reference import MIX_RULES, MIXED_STATES, Sources
 from depthmix.kernels.depth_mix.triton import depth_mix_bwd, depth_mix_fwd
+from depthmix.kernels._common import absent, present
 
 
-def _split(sources: Sources) -> Tuple[Tuple[Tensor, ...], bool]:
-    """(autograd inputs, stacked?): a stacked ``[S, ...]`` buffer is one input, a list is S."""
-    if sources is None:
-        return (), False
-    if isinstance(sources, Tensor):
-        return (sources,), True
-    return tuple(sources), False
+def _views(inputs: Sequence[Tensor], stacked: bool) -> Tuple[Tensor, ...]:
+    """A stacked ``[S, ...]`` buffer enters the op as one tensor, a list as S."""
+    return tuple(inputs[0].unbind(0)) if stacked else tuple(inputs)
 
 
-def _views(inputs: Tuple[Tensor, ...], stacked: bool) -> Tuple[Tensor, ...]:
-    return tuple(inputs[0].unbind(0)) if stacked else inputs
-
-
-def _grads(grad: Optional[Tensor], n_inputs: int, stacked: bool) -> Tuple[Optional[Tensor], ...]:
+def _grads(grad: Optional[Tensor], n_inputs: int, stacked: bool) -> List[Optional[Tensor]]:
     if grad is None:
-        return (None,) * n_inputs
-    return (grad,) if stacked else tuple(grad.unbind(0))
+        return [None] * n_inputs
+    return [grad] if stacked else list(grad.unbind(0))
 
 
-class DepthMixFunction(torch.autograd.Function):
-    """Inputs ``(query, key, value, options, *key_inputs, *value_inputs)``; outputs the mixed
-    tensors only: ``(key_out,)``, ``(value_out,)`` or ``(key_out, value_out)``."""
+@torch.library.custom_op("depthmix::depth_mix_fwd", mutates_args=())
+def _fwd(query: Tensor, key: Tensor, value: Tensor, key_inputs: List[Tensor],
+         value_inputs: List[Tensor], k_stacked: bool, v_stacked: bool, softmax: bool,
+         mix_keys: bool, mix_values: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(key_out, value_out, lse)``; an output the options do not produce is empty."""
+    k_out, v_out, lse = depth_mix_fwd(
+        query, key, value, _views(key_inputs, k_stacked), _views(value_inputs, v_stacked),
+        softmax=softmax, mix_keys=mix_keys, mix_values=mix_values, scale=scale)
+    return present(k_out, key), present(v_out, value), present(lse, key)
 
-    @staticmethod
-    def forward(ctx, query, key, value, options, *sources):
-        softmax, mix_keys, mix_values, scale, n_k, k_stacked, v_stacked = options
-        key_inputs, value_inputs = sources[:n_k], sources[n_k:]
-        k_out, v_out, lse = depth_mix_fwd(
-            query, key, value, _views(key_inputs, k_stacked), _views(value_inputs, v_stacked),
-            softmax=softmax, mix_keys=mix_keys, mix_values=mix_values, scale=scale)
-        ctx.options = options
-        ctx.save_for_backward(query, key, value, lse, *sources)
-        return tuple(t for t in (k_out, v_out) if t is not None)
 
-    @staticmethod
-    def backward(ctx, *grads):
-        softmax, mix_keys, mix_values, scale, n_k, k_stacked, v_stacked = ctx.options
-        query, key, value, lse, *sources = ctx.saved_tensors
-        key_inputs, value_inputs = tuple(sources[:n_k]), tuple(sources[n_k:])
-        grads = list(grads)
-        dk_out = grads.pop(0) if mix_keys else None
-        dv_out = grads.pop(0) if mix_values else None
-        dq, dk, dv, dsk, dsv = depth_mix_bwd(
-            query, key, value, _views(key_inputs, k_stacked), _views(value_inputs, v_stacked),
-            lse, dk_out, dv_out, softmax=softmax, mix_keys=mix_keys, mix_values=mix_values,
-            scale=scale)
-        return (dq, dk, dv, None, *_grads(dsk, len(key_inputs), k_stacked),
-                *_grads(dsv, len(value_inputs), v_stacked))
+@_fwd.register_fake
+def _(query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, softmax, mix_keys,
+      mix_values, scale):
+    lse_dtype = torch.promote_types(query.dtype, torch.float32)
+    return (torch.empty_like(key, memory_format=torch.contiguous_format) if mix_keys
+            else key.new_empty(0),
+            torch.empty_like(value, memory_format=torch.contiguous_format) if mix_values
+            else value.new_empty(0),
+            key.new_empty(key.shape[:3], dtype=lse_dtype) if softmax else key.new_empty(0))
+
+
+@torch.library.custom_op("depthmix::depth_mix_bwd", mutates_args=())
+def _bwd(query: Tensor, key: Tensor, value: Tensor, key_inputs: List[Tensor],
+         value_inputs: List[Tensor], k_stacked: bool, v_stacked: bool, lse: Tensor,
+         dk_out: Tensor, dv_out: Tensor, softmax: bool, mix_keys: bool, mix_values: bool,
+         scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsrc_keys [S, ...], dsrc_values [S, ...])``; a gradient the forward
+    did not depend on is empty."""
+    grads = depth_mix_bwd(
+        query, key, value, _views(key_inputs, k_stacked), _views(value_inputs, v_stacked),
+        absent(lse), absent(dk_out), absent(dv_out),
+        softmax=softmax, mix_keys=mix_keys, mix_values=mix_values, scale=scale)
+    return tuple(present(g, like) for g, like in zip(grads, (query, key, value, key, value)))
+
+
+@_bwd.register_fake
+def _(query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, lse, dk_out, dv_out,
+      softmax, mix_keys, mix_values, scale):
+    uses_keys = softmax or mix_keys
+    n = max(len(_views(key_inputs, k_stacked)), len(_views(value_inputs, v_stacked)))
+
+    def new(like: Tensor, shape, needed: bool) -> Tensor:
+        return like.new_empty(shape if needed else (0,))
+
+    return (new(query, query.shape, softmax), new(key, key.shape, uses_keys),
+            new(value, value.shape, mix_values), new(key, (n, *key.shape), uses_keys),
+            new(value, (n, *value.shape), mix_values))
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, *options = inputs
+    ctx.mark_non_differentiable(output[2])
+    ctx.save_for_backward(query, key, value, output[2], *key_inputs, *value_inputs)
+    ctx.n_keys, ctx.stacked, ctx.options = len(key_inputs), (k_stacked, v_stacked), options
+
+
+def _backward(ctx, dk_out, dv_out, _dlse):
+    query, key, value, lse, *sources = ctx.saved_tensors
+    key_inputs, value_inputs = sources[:ctx.n_keys], sources[ctx.n_keys:]
+    (k_stacked, v_stacked), (softmax, mix_keys, mix_values, scale) = ctx.stacked, ctx.options
+    dq, dk, dv, dsk, dsv = (absent(g) for g in torch.ops.depthmix.depth_mix_bwd(
+        query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, lse, dk_out,
+        dv_out, softmax, mix_keys, mix_values, scale))
+    return (dq, dk, dv, _grads(dsk, len(key_inputs), k_stacked),
+            _grads(dsv, len(value_inputs), v_stacked), None, None, None, None, None, None)
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _split(sources: Sources) -> Tuple[List[Tensor], bool]:
+    """(op inputs, stacked?): a stacked ``[S, ...]`` buffer is one input, a list is S."""
+    if sources is None:
+        return [], False
+    if isinstance(sources, Tensor):
+        return [sources], True
+    return list(sources), False
 
 
 def _count(sources: Sources) -> int:
@@ -124,8 +171,7 @@ def depth_mix_triton(query: Tensor, key: Tensor, value: Tensor, src_keys: Source
             raise ValueError(f"source of shape {tuple(t.shape)} does not match key "
                              f"{tuple(key.shape)}")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    options = (softmax, mix_keys, mix_values, scale, len(key_inputs), k_stacked, v_stacked)
-    outs = list(DepthMixFunction.apply(query, key, value, options, *key_inputs, *value_inputs))
-    key_out = outs.pop(0) if mix_keys else key
-    value_out = outs.pop(0) if mix_values else value
-    return key_out, value_out
+    key_out, value_out, _ = torch.ops.depthmix.depth_mix_fwd(
+        query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, softmax, mix_keys,
+        mix_values, scale)
+    return (key_out if mix_keys else key), (value_out if mix_values else value)

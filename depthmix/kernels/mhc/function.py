@@ -1,9 +1,16 @@
-"""autograd.Functions over the Triton launchers (``triton.py``), one per op."""
+"""The Triton launchers (``triton.py``) as PyTorch custom ops, one forward/backward pair
+per op (``depthmix::sinkhorn_*``, ``depthmix::mhc_read_*``, ``depthmix::mhc_post_res_*``),
+with fake implementations and registered autograd formulas (see
+:mod:`depthmix.kernels._common`), so a compiled layer calls them without a graph break."""
 
 from __future__ import annotations
 
-import torch
+from typing import Optional, Tuple
 
+import torch
+from torch import Tensor
+
+from depthmix.kernels._common import absent, acc_dtype, present
 from depthmix.kernels.mhc import triton as kernels
 from depthmix.kernels.mhc.reference import MHCOps
 
@@ -12,60 +19,143 @@ def _contiguous(t):
     return None if t is None else t.contiguous()
 
 
-class SinkhornFunction(torch.autograd.Function):
-    """``logits [R, n, n]`` -> Sinkhorn-Knopp of ``exp(logits)``; saves only the logits."""
-
-    @staticmethod
-    def forward(ctx, logits, iters):
-        logits = logits.contiguous()
-        ctx.save_for_backward(logits)
-        ctx.iters = iters
-        return kernels.sinkhorn_fwd(logits, iters)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (logits,) = ctx.saved_tensors
-        return kernels.sinkhorn_bwd(logits, grad.contiguous(), ctx.iters), None
+# ---- Sinkhorn: logits [R, n, n] -> fp32; saves only the logits ----------------------------
+@torch.library.custom_op("depthmix::sinkhorn_fwd", mutates_args=())
+def _sinkhorn_fwd(logits: Tensor, iters: int) -> Tensor:
+    return kernels.sinkhorn_fwd(logits, iters)
 
 
-class MHCReadFunction(torch.autograd.Function):
-    """``x [T, n, h]`` -> ``(x_in, h_pre, h_post, h_res)`` (launch 1). Saves ``x``, the
-    parameters and per token ``h_pre``, the dynamic logits (``m`` values) and ``rstd``: the
-    Sinkhorn iterates and the normalised streams are recomputed in the backward."""
-
-    @staticmethod
-    def forward(ctx, x, phi, alpha, bias, variant, iters, eps):
-        x, phi, alpha, bias = (t.contiguous() for t in (x, phi, alpha, bias))
-        x_in, h_pre, h_post, h_res, dyn, rstd = kernels.mhc_read_fwd(
-            x, phi, alpha, bias, variant, iters, eps)
-        ctx.save_for_backward(x, phi, alpha, bias, h_pre, dyn, rstd)
-        ctx.variant, ctx.iters = variant, iters
-        return x_in, h_pre, h_post, h_res
-
-    @staticmethod
-    def backward(ctx, g_xin, g_pre, g_post, g_res):
-        x, phi, alpha, bias, h_pre, dyn, rstd = ctx.saved_tensors
-        if g_xin is None:
-            g_xin = torch.zeros(x.shape[0], x.shape[2], dtype=x.dtype, device=x.device)
-        dx, dphi, dalpha, dbias = kernels.mhc_read_bwd(
-            x, phi, alpha, bias, h_pre, dyn, rstd, g_xin.contiguous(), _contiguous(g_pre),
-            _contiguous(g_post), _contiguous(g_res), ctx.variant, ctx.iters)
-        return dx, dphi, dalpha, dbias, None, None, None
+@_sinkhorn_fwd.register_fake
+def _(logits, iters):
+    return logits.new_empty(logits.shape, dtype=acc_dtype(logits.dtype))
 
 
-class MHCPostResFunction(torch.autograd.Function):
-    """``X' = H_res X + H_post^T y`` (launch 2); saves its inputs (no intermediates)."""
+@torch.library.custom_op("depthmix::sinkhorn_bwd", mutates_args=())
+def _sinkhorn_bwd(logits: Tensor, grad: Tensor, iters: int) -> Tensor:
+    return kernels.sinkhorn_bwd(logits, grad.contiguous(), iters)
 
-    @staticmethod
-    def forward(ctx, x, y, h_post, h_res):
-        x, y, h_post, h_res = (_contiguous(t) for t in (x, y, h_post, h_res))
-        ctx.save_for_backward(x, y, h_post, h_res)
-        return kernels.mhc_post_res_fwd(x, y, h_post, h_res)
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, y, h_post, h_res = ctx.saved_tensors
-        return kernels.mhc_post_res_bwd(x, y, h_post, h_res, grad.contiguous())
+@_sinkhorn_bwd.register_fake
+def _(logits, grad, iters):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _sinkhorn_setup(ctx, inputs, output):
+    logits, ctx.iters = inputs
+    ctx.save_for_backward(logits)
+
+
+def _sinkhorn_backward(ctx, grad):
+    (logits,) = ctx.saved_tensors
+    return torch.ops.depthmix.sinkhorn_bwd(logits, grad, ctx.iters), None
+
+
+_sinkhorn_fwd.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup)
+
+
+# ---- launch 1: x [T, n, h] -> (x_in, h_pre, h_post, h_res) -------------------------------
+# Saves x, the parameters and per token h_pre, the dynamic logits (m values) and rstd: the
+# Sinkhorn iterates and the normalised streams are recomputed in the backward.
+@torch.library.custom_op("depthmix::mhc_read_fwd", mutates_args=())
+def _read_fwd(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, variant: str, iters: int,
+              eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(x_in, h_pre, h_post, h_res, dyn, rstd)``; ``h_res`` is empty for ``identity``."""
+    x_in, h_pre, h_post, h_res, dyn, rstd = kernels.mhc_read_fwd(
+        x, phi, alpha, bias, variant, iters, eps)
+    return x_in, h_pre, h_post, present(h_res, h_post), dyn, rstd
+
+
+@_read_fwd.register_fake
+def _(x, phi, alpha, bias, variant, iters, eps):
+    tokens, n, h = x.shape
+    coef = x.new_empty((tokens, n), dtype=acc_dtype(x.dtype))
+    h_res = coef.new_empty((tokens, n, n) if variant != "identity" else (0,))
+    return (x.new_empty((tokens, h)), coef, torch.empty_like(coef), h_res,
+            coef.new_empty((tokens, phi.shape[1])), coef.new_empty((tokens,)))
+
+
+@torch.library.custom_op("depthmix::mhc_read_bwd", mutates_args=())
+def _read_bwd(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, h_pre: Tensor, dyn: Tensor,
+              rstd: Tensor, g_xin: Tensor, g_pre: Optional[Tensor], g_post: Optional[Tensor],
+              g_res: Optional[Tensor], variant: str, iters: int
+              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dphi, dalpha, dbias)``; a None coefficient gradient is skipped."""
+    return kernels.mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin.contiguous(),
+                                _contiguous(g_pre), _contiguous(g_post), _contiguous(g_res),
+                                variant, iters)
+
+
+@_read_bwd.register_fake
+def _(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res, variant, iters):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (x, phi, alpha, bias))
+
+
+def _read_setup(ctx, inputs, output):
+    x, phi, alpha, bias, ctx.variant, ctx.iters, _eps = inputs
+    _x_in, h_pre, _h_post, _h_res, dyn, rstd = output
+    ctx.mark_non_differentiable(dyn, rstd)
+    ctx.set_materialize_grads(False)  # an unused coefficient's gradient stays None (skipped)
+    ctx.save_for_backward(x, phi, alpha, bias, h_pre, dyn, rstd)
+
+
+def _read_backward(ctx, g_xin, g_pre, g_post, g_res, _g_dyn, _g_rstd):
+    x, phi, alpha, bias, h_pre, dyn, rstd = ctx.saved_tensors
+    if g_xin is None:
+        g_xin = x.new_zeros(x.shape[0], x.shape[2])
+    dx, dphi, dalpha, dbias = torch.ops.depthmix.mhc_read_bwd(
+        x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, absent(g_res),
+        ctx.variant, ctx.iters)
+    return dx, dphi, dalpha, dbias, None, None, None
+
+
+_read_fwd.register_autograd(_read_backward, setup_context=_read_setup)
+
+
+# ---- launch 2: X' = H_res X + H_post^T y; saves its inputs (no intermediates) -------------
+@torch.library.custom_op("depthmix::mhc_post_res_fwd", mutates_args=())
+def _post_res_fwd(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor]) -> Tensor:
+    return kernels.mhc_post_res_fwd(x, y, h_post, h_res)
+
+
+@_post_res_fwd.register_fake
+def _(x, y, h_post, h_res):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("depthmix::mhc_post_res_bwd", mutates_args=())
+def _post_res_bwd(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor], grad: Tensor
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dy, dh_post, dh_res)``; without ``h_res`` (identity) ``dx`` is ``grad`` itself,
+    which an op may not return: both ``dx`` and ``dh_res`` are empty then."""
+    dx, dy, dh_post, dh_res = kernels.mhc_post_res_bwd(x, y, h_post, h_res, grad)
+    if h_res is None:
+        dx = None
+    return present(dx, x), dy, dh_post, present(dh_res, h_post)
+
+
+@_post_res_bwd.register_fake
+def _(x, y, h_post, h_res, grad):
+    def like(t):
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    if h_res is None:
+        return x.new_empty(0), like(y), like(h_post), h_post.new_empty(0)
+    return like(x), like(y), like(h_post), like(h_res)
+
+
+def _post_res_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _post_res_backward(ctx, grad):
+    x, y, h_post, h_res = ctx.saved_tensors
+    grad = grad.contiguous()
+    dx, dy, dh_post, dh_res = torch.ops.depthmix.mhc_post_res_bwd(x, y, h_post, h_res, grad)
+    return (grad if h_res is None else dx), dy, dh_post, absent(dh_res)
+
+
+_post_res_fwd.register_autograd(_post_res_backward, setup_context=_post_res_setup)
 
 
 # ---------------------------------------------------------------------------------------
@@ -83,7 +173,7 @@ def sinkhorn_triton(logits: torch.Tensor, iters: int) -> torch.Tensor:
     the logits is saved).
     """
     n = logits.shape[-1]
-    out = SinkhornFunction.apply(logits.reshape(-1, n, n), iters)
+    out = torch.ops.depthmix.sinkhorn_fwd(logits.reshape(-1, n, n).contiguous(), iters)
     return out.view(logits.shape)
 
 
@@ -101,8 +191,10 @@ def mhc_read_triton(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bia
     ``h_res [..., n, n]`` (None for ``identity``), the coefficients in fp32 (fp64 for fp64).
     """
     lead, (n, h) = x.shape[:-2], x.shape[-2:]
-    x_in, h_pre, h_post, h_res = MHCReadFunction.apply(
-        x.reshape(-1, n, h), phi, alpha, bias, variant, sinkhorn_iters, eps)
+    x_in, h_pre, h_post, h_res, _dyn, _rstd = torch.ops.depthmix.mhc_read_fwd(
+        x.reshape(-1, n, h).contiguous(), phi.contiguous(), alpha.contiguous(),
+        bias.contiguous(), variant, sinkhorn_iters, eps)
+    h_res = absent(h_res)
     return (x_in.view(*lead, h), h_pre.view(*lead, n), h_post.view(*lead, n),
             None if h_res is None else h_res.view(*lead, n, n))
 
@@ -117,9 +209,10 @@ def mhc_post_res_triton(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor,
     for fp32/bf16, fp64 for fp64 coefficients).
     """
     n, h = x.shape[-2:]
-    out = MHCPostResFunction.apply(
-        x.reshape(-1, n, h), y.reshape(-1, h), h_post.reshape(-1, n),
-        None if h_res is None else h_res.reshape(-1, n, n))
+    out = torch.ops.depthmix.mhc_post_res_fwd(
+        x.reshape(-1, n, h).contiguous(), y.reshape(-1, h).contiguous(),
+        h_post.reshape(-1, n).contiguous(),
+        None if h_res is None else h_res.reshape(-1, n, n).contiguous())
     return out.view(x.shape)
 
 

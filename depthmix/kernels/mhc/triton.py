@@ -596,7 +596,9 @@ def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_
     dphi = dphi.sum(0) if chunks > 1 else dphi[0]
     sums = part.sum(0)
     gates = alpha.numel()
-    return (dx, dphi.to(phi.dtype), sums[:gates].to(alpha.dtype), sums[3:].to(bias.dtype))
+    # copies: the op's outputs may not be views of one another (torch.library custom ops)
+    return (dx, dphi.to(phi.dtype), sums[:gates].to(alpha.dtype, copy=True),
+            sums[3:].to(bias.dtype, copy=True))
 
 
 def mhc_post_res_fwd(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor,

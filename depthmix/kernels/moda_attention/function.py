@@ -1,14 +1,23 @@
-"""``moda_attention``: the fused Triton kernel behind one ``torch.autograd.Function``."""
+"""``moda_attention``: the fused Triton kernel as two PyTorch custom ops.
+
+``depthmix::moda_attention_fwd`` / ``depthmix::moda_attention_bwd`` (``torch.library``, with
+fake implementations and a registered autograd formula; see
+:mod:`depthmix.kernels._common`), so a compiled layer calls them without a graph break.
+Saved for backward: the inputs, the output and one fp32 log-sum-exp per query row; the
+backward recomputes the probabilities.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
+import triton
 from torch import Tensor
 
-from depthmix.kernels._common import last_dim_contiguous
+from depthmix.kernels._common import absent, last_dim_contiguous, present
 from depthmix.kernels.moda_attention.reference import _check_shapes
 from depthmix.kernels.moda_attention.triton import (
     Tiles,
@@ -18,26 +27,61 @@ from depthmix.kernels.moda_attention.triton import (
 )
 
 
-class MoDAAttentionFunction(torch.autograd.Function):
-    """Saves the inputs, the output and one fp32 log-sum-exp per query row; the backward
-    recomputes the probabilities."""
+@torch.library.custom_op("depthmix::moda_attention_fwd", mutates_args=())
+def _fwd(query: Tensor, key: Tensor, value: Tensor, depth_key: Optional[Tensor],
+         depth_value: Optional[Tensor], count: int, scale: float, tiles: List[int]
+         ) -> Tuple[Tensor, Tensor]:
+    """``(o [sq, b, np, hn], lse [b * ng, sq * GP])``; ``tiles`` are a :class:`Tiles`' fields."""
+    return moda_attention_fwd(query, key, value, depth_key, depth_value, count, scale,
+                              Tiles(*tiles))
 
-    @staticmethod
-    def forward(ctx, query, key, value, depth_key, depth_value, count, scale, tiles):
-        o, lse = moda_attention_fwd(query, key, value, depth_key, depth_value, count, scale,
-                                    tiles)
-        ctx.save_for_backward(query, key, value, depth_key, depth_value, o, lse)
-        ctx.count, ctx.scale, ctx.tiles = count, scale, tiles
-        sq, b = query.shape[:2]
-        return o.view(sq, b, -1)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, depth_key, depth_value, o, lse = ctx.saved_tensors
-        dq, dk, dv, dkd, dvd = moda_attention_bwd(grad_out, query, key, value, depth_key,
-                                                  depth_value, o, lse, ctx.count, ctx.scale,
-                                                  ctx.tiles)
-        return dq, dk, dv, dkd, dvd, None, None, None
+@_fwd.register_fake
+def _(query, key, value, depth_key, depth_value, count, scale, tiles):
+    sq, b, np_, _ = query.shape
+    ng = key.shape[2]
+    lse = query.new_empty(b * ng, sq * triton.next_power_of_2(np_ // ng), dtype=torch.float32)
+    return torch.empty_like(query, memory_format=torch.contiguous_format), lse
+
+
+@torch.library.custom_op("depthmix::moda_attention_bwd", mutates_args=())
+def _bwd(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
+         depth_key: Optional[Tensor], depth_value: Optional[Tensor], out: Tensor, lse: Tensor,
+         count: int, scale: float, tiles: List[int]
+         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, ddepth_key, ddepth_value)``; the depth gradients are empty without
+    depth inputs."""
+    dq, dk, dv, dkd, dvd = moda_attention_bwd(grad_out, query, key, value, depth_key,
+                                              depth_value, out, lse, count, scale, Tiles(*tiles))
+    return dq, dk, dv, present(dkd, query), present(dvd, query)
+
+
+@_bwd.register_fake
+def _(grad_out, query, key, value, depth_key, depth_value, out, lse, count, scale, tiles):
+    def like(t: Tensor) -> Tensor:
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    has_depth = depth_key is not None and count > 0
+    depth_grads = (like(depth_key), like(depth_value)) if has_depth else (query.new_empty(0),) * 2
+    return (like(query), like(key), like(value), *depth_grads)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, depth_key, depth_value, ctx.count, ctx.scale, ctx.tiles = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(query, key, value, depth_key, depth_value, out, lse)
+
+
+def _backward(ctx, grad_out, _dlse):
+    query, key, value, depth_key, depth_value, out, lse = ctx.saved_tensors
+    dq, dk, dv, dkd, dvd = torch.ops.depthmix.moda_attention_bwd(
+        grad_out, query, key, value, depth_key, depth_value, out, lse, ctx.count, ctx.scale,
+        ctx.tiles)
+    return dq, dk, dv, absent(dkd), absent(dvd), None, None, None
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def moda_attention_triton(
@@ -90,4 +134,6 @@ def moda_attention_triton(
     if tiles is None:
         tiles = default_tiles(hn, np_ // ng, d)
     q, k, v, kd, vd = last_dim_contiguous(query, key, value, depth_key, depth_value)
-    return MoDAAttentionFunction.apply(q, k, v, kd, vd, count, scale, tiles)
+    out, _lse = torch.ops.depthmix.moda_attention_fwd(q, k, v, kd, vd, count, scale,
+                                                     list(dataclasses.astuple(tiles)))
+    return out.view(sq, b, -1)
