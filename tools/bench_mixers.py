@@ -12,7 +12,9 @@ mean something on a GPU.
     python tools/bench_mixers.py --compile both --peers  # + compiled rows, peer models
 
 ``--compile both`` adds a compiled row (``train.compile=true``) per mixer, with its ratio to
-eager vanilla and to compiled vanilla. ``--peers`` times one forward+backward (no optimizer)
+eager vanilla and to compiled vanilla, the graphs Dynamo compiled for it (its distinct
+layer bodies, with and without gradients), its graph breaks and its compile time (the
+first step less a compiled step). ``--peers`` times one forward+backward (no optimizer)
 of our vanilla model, Megatron-Core's own ``GPTModel`` (local spec) and, when
 ``transformers`` is installed, Hugging Face's ``Qwen3ForCausalLM``, all at the same
 Qwen3-style shape, side by side.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -169,6 +172,14 @@ def print_peers(vanilla_trainer, args) -> None:
         print(f"{name:<20}{times[name] * 1e3:>10.1f}{times[name] / base:>8.3f}{n:>14,}")
 
 
+def _dynamo_counts() -> Counter:
+    """Graphs Dynamo has compiled and graph breaks it has taken so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return Counter(graphs=counters["stats"]["unique_graphs"],
+                   breaks=sum(counters["graph_break"].values()))
+
+
 def main():
     args = parse_args()
     from depthmix.pretrain.trainer import Trainer
@@ -179,14 +190,21 @@ def main():
         trainers.append((name, impl, Trainer(run, data=SyntheticData(run), callbacks=[])))
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = {i: [] for i in range(len(trainers))}
+    first_step = {}
+    # what Dynamo did while each trainer stepped: compiled graphs, graph breaks
+    dynamo = {i: Counter() for i in range(len(trainers))}
     for step in range(args.warmup + args.steps):
         for i, (_, _, trainer) in enumerate(trainers):
+            before = _dynamo_counts()
             sync()
             t0 = time.perf_counter()
             trainer.train_one_step()
             sync()
+            elapsed = time.perf_counter() - t0
+            dynamo[i].update(_dynamo_counts() - before)
+            first_step.setdefault(i, elapsed)
             if step >= args.warmup:
-                times[i].append(time.perf_counter() - t0)
+                times[i].append(elapsed)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     base = statistics.median(times[0])
@@ -195,15 +213,21 @@ def main():
           f"micro_batch={args.micro_batch} {args.precision} | median of {args.steps} steps\n")
     compiled_base = next((statistics.median(times[i]) for i, (n, impl, _) in enumerate(trainers)
                           if n == "vanilla" and impl.endswith("+c")), None)
+    compiled_rows = any(impl.endswith("+c") for _, impl, _ in trainers)
     print(f"{'mixer':<16}{'impl':<10}{'ms/step':>10}{'ratio':>8}{'vs same':>9}{'params':>12}"
-          f"{'extra':>10}")
+          f"{'extra':>10}" + (f"{'graphs':>8}{'breaks':>8}{'compile s':>11}" if compiled_rows
+                              else ""))
     vanilla_params = sum(p.numel() for p in trainers[0][2].model[0].parameters())
     for i, (name, impl, trainer) in enumerate(trainers):
         t = statistics.median(times[i])
         same = compiled_base if impl.endswith("+c") else base  # compiled vs compiled vanilla
         n = sum(p.numel() for p in trainer.model[0].parameters())
-        print(f"{name:<16}{impl:<10}{t * 1e3:>10.1f}{t / base:>8.3f}{t / same:>9.3f}{n:>12,}"
-              f"{n - vanilla_params:>10,}")
+        line = (f"{name:<16}{impl:<10}{t * 1e3:>10.1f}{t / base:>8.3f}{t / same:>9.3f}{n:>12,}"
+                f"{n - vanilla_params:>10,}")
+        if impl.endswith("+c"):  # compile time: the first step less a compiled step
+            line += (f"{dynamo[i]['graphs']:>8}{dynamo[i]['breaks']:>8}"
+                     f"{first_step[i] - t:>11.1f}")
+        print(line)
     if args.peers:
         print_peers(trainers[0][2], args)
 
