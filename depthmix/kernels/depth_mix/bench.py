@@ -19,7 +19,7 @@ Without CUDA one smoke shape runs (fp32, ``ours`` only through the Triton interp
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -27,8 +27,23 @@ from depthmix.kernels.bench_case import Case, fla_causal_attention, implementati
 from depthmix.megatron_ext.attention import causal_sdpa
 
 
-
 NUM_HEADS, HEAD_DIM, NUM_SOURCES = 16, 128, 2
+
+
+class Shape(NamedTuple):
+    t: int
+    heads: int
+    g: int
+    head_dim: int
+    dtype: torch.dtype
+    sources: int = NUM_SOURCES
+
+
+def shapes(smoke: bool) -> list:
+    if smoke:
+        return [Shape(64, 4, 2, 32, torch.float32)]
+    return [Shape(t, NUM_HEADS, g, HEAD_DIM, torch.bfloat16)
+            for t in (4096, 16384, 65536) for g in (1, 4, 8)]
 
 
 def _inputs(t: int, heads: int, groups: int, head_dim: int, num_sources: int,
@@ -75,16 +90,10 @@ def cases(smoke: bool) -> list:
     if fla is not None:
         attentions["fla"] = fla
 
-    if smoke or not cuda:
-        shapes = [(64, 4, 2, 32, torch.float32)]
-    else:
-        shapes = [(t, NUM_HEADS, g, HEAD_DIM, torch.bfloat16)
-                  for t in (4096, 16384, 65536) for g in (1, 4, 8)]
-
     out = []
-    for t, heads, g, hd, dtype in shapes:
+    for t, heads, g, hd, dtype, num_sources in shapes(smoke or not cuda):
         label = f"T{t}-G{g}-hd{hd}" + (f"-np{heads}-fp32" if dtype == torch.float32 else "")
-        make = _inputs(t, heads, g, hd, NUM_SOURCES, dtype, device)
+        make = _inputs(t, heads, g, hd, num_sources, dtype, device)
         out.append(Case("depth_mix", f"op {label}", make,
                         {name: _mixed_value(mix) for name, mix in mixes.items()}))
         for attn_name, attention in attentions.items():

@@ -34,19 +34,43 @@ from depthmix.kernels._common import acc_dtype, interpreting, last_dim_contiguou
 MAX_HEAD_DIM = 256
 
 
+CUDA_CONFIGS = [triton.Config({"BLOCK_T": bt}, num_warps=w)
+                for bt in (8, 16, 32, 64) for w in (2, 4, 8)]
+"""What the autotuner tries on a GPU, before :func:`_prune_fwd` / :func:`_prune_bwd`
+(``tools/kernel_report.py`` compiles each config they keep for sm_80 and sm_90)."""
+INTERPRETER_CONFIGS = [triton.Config({"BLOCK_T": 64}, num_warps=4)]
+"""The interpreter runs programs one by one in numpy: few, large tiles."""
+
+
 def _configs():
     if interpreting() or not torch.cuda.is_available():
-        # the interpreter runs programs one by one in numpy: few, large tiles
-        return [triton.Config({"BLOCK_T": 64}, num_warps=4)]
-    return [triton.Config({"BLOCK_T": bt}, num_warps=w)
-            for bt in (8, 16, 32, 64) for w in (2, 4, 8)]
+        return INTERPRETER_CONFIGS
+    return CUDA_CONFIGS
 
 
-def _prune(configs, named_args, **kwargs):
-    # larger tiles spill registers in the backward (ptxas, sm_90: 64 x 128 at 8 warps)
-    block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    kept = [c for c in configs if c.kwargs["BLOCK_T"] * block_d <= 4096]
+def _kept(configs, block_d: int, per_thread: int):
+    """The configs whose ``[BLOCK_T, BLOCK_D]`` tile holds at most ``per_thread`` elements
+    per thread and 4096 in all (64 x 128 spilled in the backward at 8 warps on sm_90)."""
+    kept = [c for c in configs
+            if c.kwargs["BLOCK_T"] * block_d <= min(4096, per_thread * 32 * c.num_warps)]
     return kept or configs[:1]
+
+
+def _arg(name: str, named_args, kwargs):
+    return kwargs.get(name, named_args.get(name))
+
+
+# Element budgets from ptxas for sm_80 and sm_90 (tools/kernel_report.py): at 64 per thread
+# the backward spills 0.4-2 KB (255 registers), and so does the forward mixing keys and
+# values; mixing both, the backward keeps about twice the tiles live: at 16 per thread
+# ptxas holds sm_80 to 128 registers and spills, at 32 it needs 253 of 255.
+def _prune_fwd(configs, named_args, **kwargs):
+    return _kept(configs, _arg("BLOCK_D", named_args, kwargs), per_thread=32)
+
+
+def _prune_bwd(configs, named_args, **kwargs):
+    both = _arg("MIX_KEYS", named_args, kwargs) and _arg("MIX_VALUES", named_args, kwargs)
+    return _kept(configs, _arg("BLOCK_D", named_args, kwargs), per_thread=8 if both else 32)
 
 
 _TUNE_KEY = ["BLOCK_D", "G", "NUM_SRC", "SOFTMAX", "MIX_KEYS", "MIX_VALUES"]
@@ -70,7 +94,8 @@ def _group_mean(q, i_s, i_b, i_h, stride_qs, stride_qb, stride_qh, cols, mask,
     return q_bar / G
 
 
-@triton.autotune(configs=_configs(), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=_TUNE_KEY,
+                 prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit
 def depth_mix_fwd_kernel(
     q, k, v, src_k, src_v,                      # inputs; src_k / src_v: tuples of pointers
@@ -150,7 +175,8 @@ def depth_mix_fwd_kernel(
         tl.store(v_out + o_out, acc_v.to(v_out.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_configs(), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=_TUNE_KEY,
+                 prune_configs_by={"early_config_prune": _prune_bwd})
 @triton.jit
 def depth_mix_bwd_kernel(
     q, k, v, src_k, src_v, lse, dk_out, dv_out,  # forward inputs, saved stats, output grads

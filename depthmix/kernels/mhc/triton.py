@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from depthmix.kernels._common import acc_dtype, sm_count, tl_dtype
+from depthmix.kernels._common import acc_dtype, interpreting, sm_count, tl_dtype
 
 VARIANT_IDS = {"mhc": 0, "hc": 1, "identity": 2}
 
@@ -500,8 +500,8 @@ def _tl(dtype: torch.dtype):
 
 def _dot_precision(t: torch.Tensor) -> str:
     """fp32 operands on tensor cores with three TF32 passes (close to fp32 accuracy); the
-    interpreter and fp64 compute exactly."""
-    return "tf32x3" if t.is_cuda and t.dtype != torch.float64 else "ieee"
+    interpreter and fp64 compute exactly (the mode decides, as in :func:`_block_t`)."""
+    return "ieee" if interpreting() or t.dtype == torch.float64 else "tf32x3"
 
 
 def _pad(n: int) -> Tuple[int, int]:
@@ -510,7 +510,9 @@ def _pad(n: int) -> Tuple[int, int]:
 
 
 def _block_t(t: torch.Tensor) -> int:
-    return 32 if t.is_cuda else 16
+    """Tokens per program: 32 compiled, 16 in the interpreter. Chosen by the mode, not by
+    ``t.device``, so that ``tools/kernel_report.py`` (meta tensors) sees the GPU tiles."""
+    return 16 if interpreting() else 32
 
 
 def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
@@ -627,7 +629,7 @@ def mhc_post_res_bwd(x, y, h_post, h_res, g):
         x, y, h_post, h_post if h_res is None else h_res, g, dx, dy, dh_post,
         h_post if h_res is None else dh_res, T, H,
         N=n, NP=triton.next_power_of_2(n), HAS_RES=h_res is not None,
-        ACC=_tl(h_post.dtype), BT=BT, BH=64, num_warps=4)
+        ACC=_tl(h_post.dtype), BT=BT, BH=64, num_warps=8)  # 4 warps spill on sm_90
     return dx, dy, dh_post, dh_res
 
 

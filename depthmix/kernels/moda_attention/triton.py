@@ -469,9 +469,13 @@ class Tiles:
 def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True) -> Tiles:
     """Tiles for a head dim, group size ``G`` and depth capacity ``D``.
 
-    GPU: 128-row query tiles (64 for head dims > 128), 64-key steps; depth sub-tiles of 16
-    rows (``sub_tiles=False``: the paper's one block-diagonal product per tile), and depth
-    steps of ``block_d`` entries such that a step loads about as many depth rows as a
+    GPU: query tiles of 128 rows with 32-key steps (head dims <= 64), 64 x 64 (128),
+    64 x 32 (256); the dK/dV kernel 32 query rows per step over 64 keys (32 x 32 at 256).
+    These are the largest tiles of this shape family with which no kernel spills registers
+    on sm_80 or sm_90 at the benchmark shapes (``tools/kernel_report.py``; 128 x 64 spilled
+    up to 1.2 KB in the dQ kernel at head dim 128); not yet timed on a GPU. Depth sub-tiles
+    of 16 rows (``sub_tiles=False``: the paper's one block-diagonal product per tile), and
+    depth steps of ``block_d`` entries such that a step loads about as many depth rows as a
     sequence step loads keys (at least 16 columns per sub-tile, the tensor-core minimum).
     The interpreter (CPU tests) uses 16-row tiles.
     """
@@ -479,8 +483,10 @@ def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True)
     hd = max(16, triton.next_power_of_2(head_dim))
     if interpreting():
         block_m, block_n, dkdv_m, dkdv_n, warps, stages = 16, 16, 16, 16, 4, 1
+    elif hd <= 64:
+        block_m, block_n, dkdv_m, dkdv_n, warps, stages = 128, 32, 32, 64, 8, 2
     elif hd <= 128:
-        block_m, block_n, dkdv_m, dkdv_n, warps, stages = 128, 64, 64, 64, 8, 2
+        block_m, block_n, dkdv_m, dkdv_n, warps, stages = 64, 64, 32, 64, 8, 2
     else:
         block_m, block_n, dkdv_m, dkdv_n, warps, stages = 64, 32, 32, 32, 4, 1
     block_m, dkdv_m = max(block_m, gp), max(dkdv_m, gp)

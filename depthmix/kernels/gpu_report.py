@@ -1,0 +1,435 @@
+"""GPU readiness without a GPU: every Triton kernel of the four ops compiled to sm_80 and
+sm_90 machine code, with what ptxas says about each.
+
+Which kernels, with which compile-time choices: each op's host launchers
+(``kernels/<op>/triton.py``) run, forward then backward, on ``meta`` tensors (shapes and
+dtypes, no data) at the full benchmark shapes of its ``bench.py``. While they run, every
+kernel of the module is swapped for a recorder (:func:`recorded_launches`), so what is kept
+is exactly what the launcher passes on a GPU: sizes, strides, pointer dtypes, constexprs
+(tiles, flags) and ``num_warps`` / ``num_stages``. An autotuned kernel is expanded into its
+module's ``CUDA_CONFIGS``, pruned by the autotuner's own ``early_config_prune``. Launches
+that differ only in runtime arguments (another ``T``) compile once; the first benchmark
+shape that made them names them.
+
+Each launch is compiled by ``triton.compile`` for ``GPUTarget("cuda", 80 | 90, 32)`` (no
+driver involved), with Triton's cache bypassed so that ptxas really runs; Triton calls
+``ptxas -v``, and its log gives registers per thread, spill stores / loads and the stack
+frame. ``metadata.shared`` is the shared memory the kernel asks for at launch.
+
+Where this differs from a real launch: integers derived from the SM count (the persistent
+grids of attnres and mhc) see one SM (runtime arguments: only their divisibility
+specialization can differ), and every pointer counts as 16-byte aligned (meta tensors sit
+at address 0; fresh CUDA allocations are aligned too).
+
+Must run in a process without ``TRITON_INTERPRET=1`` (under it ``triton.jit`` builds
+interpreted functions that cannot be compiled): ``tools/kernel_report.py``, or
+:func:`compile_report` in a subprocess as ``tests/kernels/test_gpu_compile.py`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing
+import os
+import re
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+OPS = ("depth_mix", "moda_attention", "attnres", "mhc")
+
+
+# ---------------------------------------------------------------------------------------
+# Architectures and their limits
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    capability: int
+    max_shared: int
+    """Bytes of shared memory one block may request (dynamic, opted in)."""
+    max_registers: int = 255
+    """Per thread."""
+
+
+# NVIDIA CUDA C++ Programming Guide, "Technical Specifications per Compute Capability":
+# 163 KB of shared memory per block on 8.0 (A100), 227 KB on 9.0 (H100/H200).
+ARCHS: Dict[int, Arch] = {
+    80: Arch("sm_80", 80, 163 * 1024),
+    90: Arch("sm_90", 90, 227 * 1024),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# Recording the launches
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Launch:
+    """One kernel as a launcher launches it: the ``JITFunction`` and its arguments."""
+
+    op: str
+    variant: str
+    """The benchmark shape's compile-relevant part, e.g. ``G4 hd128 D48``."""
+    kernel: object
+    args: tuple
+    kwargs: dict
+    """Constexprs, ``num_warps``, ``num_stages``."""
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+    @property
+    def config(self) -> str:
+        """Tile constexprs (``BLOCK_*``, two-letter ``B*`` and ``SUB``), warps, stages."""
+        tiles = [f"{k}={v}" for k, v in self.kwargs.items() if _is_tile(k)]
+        return " ".join(tiles + [f"w{self.num_warps}", f"s{self.num_stages}"])
+
+    @property
+    def num_warps(self) -> int:
+        return self.kwargs.get("num_warps", 4)
+
+    @property
+    def num_stages(self) -> int:
+        return self.kwargs.get("num_stages", 3)
+
+    def key(self) -> tuple:
+        """What the compiled code depends on, apart from runtime-argument specialization."""
+        return (self.name, tuple(sorted((k, repr(v)) for k, v in self.kwargs.items())))
+
+
+def _is_tile(name: str) -> bool:
+    return re.fullmatch(r"BLOCK_\w+|B[A-Z]|SUB", name) is not None
+
+
+class _Recorder:
+    """Stands in for a kernel while a launcher runs: ``kernel[grid](*args, **kwargs)``
+    appends ``(kernel, args, kwargs)`` to ``calls`` instead of launching."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.kernel, args, kwargs))
+
+
+@contextlib.contextmanager
+def recorded_launches(module) -> Iterator[list]:
+    """Within the block, the module's Triton kernels record their launches into the
+    yielded list; the kernels are put back on exit (before anything is compiled: Triton
+    resolves a kernel's helpers through the module's globals)."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    kernels = {name: obj for name, obj in vars(module).items()
+               if isinstance(obj, (JITFunction, Autotuner))}
+    calls: list = []
+    try:
+        for name, kernel in kernels.items():
+            setattr(module, name, _Recorder(kernel, calls))
+        yield calls
+    finally:
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+
+
+def _expand(op: str, variant: str, module, calls: list) -> List[Launch]:
+    """Recorded calls as launches; an autotuned kernel becomes one launch per config of
+    the module's ``CUDA_CONFIGS`` its prune keeps."""
+    from triton.runtime.autotuner import Autotuner
+
+    out = []
+    for kernel, args, kwargs in calls:
+        if not isinstance(kernel, Autotuner):
+            out.append(Launch(op, variant, kernel, args, dict(kwargs)))
+            continue
+        configs = module.CUDA_CONFIGS
+        if kernel.early_config_prune:
+            named = dict(zip(kernel.arg_names, args))
+            configs = kernel.early_config_prune(configs, named, **kwargs)
+        out += [Launch(op, variant, kernel.fn, args, {**kwargs, **c.all_kwargs()})
+                for c in configs]
+    return out
+
+
+def _meta(*shape, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+# ---------------------------------------------------------------------------------------
+# Each op's launches at its benchmark shapes
+# ---------------------------------------------------------------------------------------
+
+
+def _depth_mix(mixed_states: Sequence[str] = ("key_value", "value")) -> List[Launch]:
+    """``mix_rule=softmax`` (the default; ``uniform`` has no score path), the benchmark's
+    ``mixed_state=value`` and ``key_value``, which keeps the most tiles live. Heaviest
+    first (both states, then the largest group), so that a config's first variant is the
+    one most likely to spill."""
+    from depthmix.kernels.depth_mix import bench, triton as K
+
+    out = []
+    for t, heads, g, hd, dtype, s in sorted(bench.shapes(smoke=False), key=lambda s: -s.g):
+        ng = heads // g
+        q = _meta(t, 1, heads, hd, dtype=dtype)
+        k, v = _meta(t, 1, ng, hd, dtype=dtype), _meta(t, 1, ng, hd, dtype=dtype)
+        src_k = [_meta(t, 1, ng, hd, dtype=dtype) for _ in range(s)]
+        src_v = [_meta(t, 1, ng, hd, dtype=dtype) for _ in range(s)]
+        for state in mixed_states:
+            flags = dict(softmax=True, mix_keys=state in ("key", "key_value"),
+                         mix_values=state in ("value", "key_value"), scale=hd ** -0.5)
+            with recorded_launches(K) as calls:
+                k_out, v_out, lse = K.depth_mix_fwd(q, k, v, src_k, src_v, **flags)
+                K.depth_mix_bwd(q, k, v, src_k, src_v, lse, k_out, v_out, **flags)
+            out += _expand("depth_mix", f"G{g} hd{hd} S{s} {state}", K, calls)
+    return out
+
+
+def _moda_attention() -> List[Launch]:
+    """The 3B-layout shapes and the MoDA paper's rows, tiles from ``default_tiles``."""
+    from depthmix.kernels.moda_attention import bench, triton as K
+
+    out = []
+    for t, heads, g, hd, d, dtype in bench.shapes(smoke=False) + bench.paper_shapes():
+        ng = heads // g
+        q = _meta(t, 1, heads, hd, dtype=dtype)
+        k, v = _meta(t, 1, ng, hd, dtype=dtype), _meta(t, 1, ng, hd, dtype=dtype)
+        kd, vd = _meta(t, 1, ng, d, hd, dtype=dtype), _meta(t, 1, ng, d, hd, dtype=dtype)
+        tiles = K.default_tiles(hd, g, d)
+        with recorded_launches(K) as calls:
+            o, lse = K.moda_attention_fwd(q, k, v, kd, vd, d, hd ** -0.5, tiles)
+            K.moda_attention_bwd(o, q, k, v, kd, vd, o, lse, d, hd ** -0.5, tiles)
+        out += _expand("moda_attention", f"G{g} hd{hd} D{d}", K, calls)
+    return out
+
+
+def _attnres() -> List[Launch]:
+    """Full and Block AttnRes reads (no output norm: the stack passes none)."""
+    from depthmix.kernels.attnres import bench, triton as K
+
+    out = []
+    for kind, t, hidden, s, dtype in bench.shapes(smoke=False):
+        sources = [_meta(t, 1, hidden, dtype=dtype) for _ in range(s)]
+        query, key_weight = _meta(hidden, dtype=dtype), _meta(hidden, dtype=dtype)
+        with recorded_launches(K) as calls:
+            o, z, rstd, lse = K.attnres_fwd(sources, query, key_weight, bench.EPS, None,
+                                            bench.EPS)
+            K.attnres_bwd(sources, query, key_weight, None, bench.EPS, o, z, rstd, lse)
+        out += _expand("attnres", f"h{hidden}", K, calls)
+    return out
+
+
+def _mhc() -> List[Launch]:
+    """Sinkhorn alone (fp32 logits), the read and the post/res launches (bf16 streams);
+    every output gradient present, as autograd materialises them."""
+    from depthmix.kernels.mhc import bench, triton as K
+    from depthmix.kernels.mhc.reference import coefficient_width
+
+    out = []
+    for t, n, h, dtype in bench.shapes(smoke=False):
+        m = coefficient_width(bench.VARIANT, n)
+        logits = _meta(t, n, n, dtype=torch.float32)
+        x, y = _meta(t, n, h, dtype=dtype), _meta(t, h, dtype=dtype)
+        phi, alpha, bias = (_meta(n * h, m, dtype=dtype), _meta(3, dtype=dtype),
+                            _meta(m, dtype=dtype))
+        with recorded_launches(K) as calls:
+            K.sinkhorn_bwd(logits, K.sinkhorn_fwd(logits, bench.ITERS), bench.ITERS)
+            x_in, h_pre, h_post, h_res, dyn, rstd = K.mhc_read_fwd(
+                x, phi, alpha, bias, bench.VARIANT, bench.ITERS, bench.EPS)
+            K.mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, x_in, h_pre, h_post, h_res,
+                           bench.VARIANT, bench.ITERS)
+            K.mhc_post_res_fwd(x, y, h_post, h_res)
+            K.mhc_post_res_bwd(x, y, h_post, h_res, x)
+        out += _expand("mhc", f"{bench.VARIANT} n{n} h{h}", K, calls)
+    return out
+
+
+_LAUNCHES: Dict[str, Callable[[], List[Launch]]] = {
+    "depth_mix": _depth_mix,
+    "moda_attention": _moda_attention,
+    "attnres": _attnres,
+    "mhc": _mhc,
+}
+
+
+def launches(ops: Sequence[str] = OPS) -> List[Launch]:
+    """Every distinct launch of ``ops`` at their benchmark shapes (first shape wins)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":  # kernels are interpreted functions then
+        raise RuntimeError("the kernel report needs a process without TRITON_INTERPRET=1")
+    seen, out = set(), []
+    for op in ops:
+        for launch in _LAUNCHES[op]():
+            if launch.key() not in seen:
+                seen.add(launch.key())
+                out.append(launch)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Compiling and reading ptxas
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    """Resources of one compiled kernel on one architecture."""
+
+    op: str
+    kernel: str
+    variant: str
+    config: str
+    arch: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    shared: int
+    num_warps: int
+    num_stages: int
+    seconds: float = 0.0
+    constexprs: Dict[str, str] = field(default_factory=dict)
+
+    def problems(self) -> List[str]:
+        """Why this kernel is not fit to run: spills, or a request above the limits."""
+        arch = next(a for a in ARCHS.values() if a.name == self.arch)
+        return check_limits(self.registers, self.spill_stores, self.spill_loads, self.shared,
+                            arch)
+
+
+def check_limits(registers: int, spill_stores: int, spill_loads: int, shared: int,
+                 arch: Arch) -> List[str]:
+    """What is wrong with a kernel of these resources on ``arch`` (empty: nothing)."""
+    out = []
+    if spill_stores or spill_loads:
+        out.append(f"spills {spill_stores} B stored / {spill_loads} B loaded")
+    if shared > arch.max_shared:
+        out.append(f"shared memory {shared} B > {arch.max_shared} B ({arch.name})")
+    if registers > arch.max_registers:
+        out.append(f"{registers} registers > {arch.max_registers}")
+    return out
+
+
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+_PTXAS_FRAME = re.compile(
+    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas_log(log: str) -> Tuple[int, int, int, int]:
+    """``(registers, spill store bytes, spill load bytes, stack frame bytes)`` of the one
+    entry function in a ``ptxas -v`` log."""
+    registers, frame = _PTXAS_REGISTERS.search(log), _PTXAS_FRAME.search(log)
+    if registers is None or frame is None:
+        raise ValueError(f"no resource usage in this ptxas log:\n{log}")
+    stack, stores, loads = (int(x) for x in frame.groups())
+    return int(registers.group(1)), stores, loads, stack
+
+
+def _compile(launch: Launch, capability: int):
+    """``(CompiledKernel, ptxas log)`` of ``launch`` for ``sm_<capability>``: what
+    ``JITFunction.run`` does before it launches, with the target given instead of asked
+    of a driver."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.kernel
+    backend = make_backend(GPUTarget("cuda", capability, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(launch.kwargs, debug=False)
+    bound, spec, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):  # where Triton prints the ptxas log
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                  target=backend.target, options=options.__dict__)
+    return compiled, log.getvalue()
+
+
+def compile_usage(launch: Launch, capability: int) -> Usage:
+    """Compiles ``launch`` for ``sm_<capability>`` (inside :func:`fresh_compiles`, or
+    ptxas may not run) and reads its resources."""
+    start = time.perf_counter()
+    compiled, log = _compile(launch, capability)
+    registers, stores, loads, stack = parse_ptxas_log(log)
+    constexprs = {k: str(v) for k, v in launch.kwargs.items()
+                  if k not in ("num_warps", "num_stages")}
+    return Usage(launch.op, launch.name, launch.variant, launch.config,
+                 ARCHS[capability].name, registers, stores, loads, stack,
+                 compiled.metadata.shared, launch.num_warps, launch.num_stages,
+                 time.perf_counter() - start, constexprs)
+
+
+@contextlib.contextmanager
+def fresh_compiles() -> Iterator[None]:
+    """Every compile runs ptxas and prints its log; nothing is read from or left in the
+    user's Triton cache."""
+    from triton import knobs
+
+    saved = (knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log, knobs.cache.dir)
+    with tempfile.TemporaryDirectory(prefix="kernel-report-") as cache:
+        knobs.compilation.always_compile = True
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.cache.dir = cache
+        try:
+            yield
+        finally:
+            (knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log,
+             knobs.cache.dir) = saved
+
+
+_POOL_LAUNCHES: List[Launch] = []  # what forked workers index into
+
+
+def _compile_task(task: Tuple[int, int]) -> Usage:
+    index, capability = task
+    return compile_usage(_POOL_LAUNCHES[index], capability)
+
+
+def compile_report(ops: Sequence[str] = OPS, capabilities: Sequence[int] = (80, 90),
+                   jobs: int = 1, only: Optional[Callable[[Launch, int], bool]] = None
+                   ) -> List[Usage]:
+    """Compiles every launch of ``ops`` for every capability (``only(launch, capability)``
+    picks a subset); ``jobs > 1`` compiles in that many forked processes."""
+    _POOL_LAUNCHES[:] = launches(ops)
+    tasks = [(i, cap) for i, launch in enumerate(_POOL_LAUNCHES) for cap in capabilities
+             if only is None or only(launch, cap)]
+    with fresh_compiles():
+        if jobs <= 1:
+            return [_compile_task(t) for t in tasks]
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_compile_task, tasks))
+
+
+def first_variants(ops: Sequence[str] = OPS) -> Callable[[Launch, int], bool]:
+    """For :func:`compile_report`'s ``only``: every kernel in every config, each at its
+    first benchmark variant (the launch lists put the heaviest first where it matters).
+    Each other variant shares its tiles with a compiled one and differs in a group size,
+    mixed state or head count (``DEPTHMIX_KERNEL_REPORT_QUICK=1`` in
+    ``tests/kernels/test_gpu_compile.py``)."""
+    firsts: Dict[tuple, tuple] = {}
+    for launch in launches(ops):
+        firsts.setdefault((launch.name, launch.config), launch.key())
+    chosen = set(firsts.values())
+    return lambda launch, capability: launch.key() in chosen
+
+
+def tool_versions() -> Dict[str, str]:
+    """Triton and the ptxas it uses for each architecture."""
+    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    out = {"triton": triton.__version__}
+    for capability, arch in ARCHS.items():
+        tool = get_ptxas(capability)
+        out[f"ptxas ({arch.name})"] = f"{os.path.basename(tool.path)} {tool.version}"
+    return out

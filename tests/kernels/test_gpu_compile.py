@@ -1,0 +1,104 @@
+"""Every Triton kernel of the four ops compiles to sm_80 and sm_90 machine code without
+register spills and within its architecture's shared memory (no GPU needed: Triton's
+bundled ptxas, ``depthmix/kernels/gpu_report.py``). The interpreter the other kernel
+tests use checks none of this, nor what only the compiler checks (constexpr control flow,
+tuple-of-pointer arguments, casts).
+
+The compiles run in one subprocess without ``TRITON_INTERPRET`` (conftest sets it on CPU,
+and under it ``triton.jit`` builds interpreted functions), in two processes, with Triton's
+cache bypassed: every kernel in every config (autotune list after its prune, or the
+launcher's tile choice) at every benchmark variant on both architectures, 244 compiles in
+about 105 s on 2 idle cores. ``DEPTHMIX_KERNEL_REPORT_QUICK=1`` compiles each kernel and
+config at its first variant only (88 compiles, about 50 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from depthmix.kernels.gpu_report import ARCHS, Usage, check_limits
+
+pytestmark = pytest.mark.slow
+
+_SCRIPT = """
+import dataclasses, json, os
+from depthmix.kernels import gpu_report as R
+
+quick = os.environ.get("DEPTHMIX_KERNEL_REPORT_QUICK") == "1"
+rows = R.compile_report(jobs=2, only=R.first_variants() if quick else None)
+# a config the backward's prune drops: 64 elements of a tile per thread
+spilling = next(l for l in R.launches(["depth_mix"]) if l.name == "depth_mix_bwd_kernel")
+spilling.kwargs.update(BLOCK_T=32, num_warps=2)
+with R.fresh_compiles():
+    probe = R.compile_usage(spilling, 90)
+print("REPORT " + json.dumps({
+    "rows": [dataclasses.asdict(r) for r in rows],
+    "probe": dataclasses.asdict(probe),
+    "configs": sorted({(l.name, l.config) for l in R.launches()}),
+}))
+"""
+
+KERNEL_SOURCES = Path(__file__).parents[2] / "depthmix" / "kernels"
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=900)
+    if proc.returncode and "ImportError" in proc.stderr:
+        pytest.skip(f"Triton's compiler internals moved: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
+    out = json.loads(line[len("REPORT "):])
+    out["rows"] = [Usage(**row) for row in out["rows"]]
+    out["probe"] = Usage(**out["probe"])
+    return out
+
+
+def test_no_kernel_spills_or_exceeds_shared_memory(report):
+    problems = [f"{r.kernel} [{r.variant}; {r.config}] {r.arch}: {p}"
+                for r in report["rows"] for p in r.problems()]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_kernel_and_config_compiled_for_both_architectures(report):
+    compiled = {(r.kernel, r.config, r.arch) for r in report["rows"]}
+    missing = [(kernel, config, arch.name) for kernel, config in report["configs"]
+               for arch in ARCHS.values() if (kernel, config, arch.name) not in compiled]
+    assert not missing
+
+
+def test_every_launched_kernel_is_in_the_report(report):
+    """What the launchers launch (``name[grid](...)`` in each ``triton.py``), so that a new
+    kernel cannot slip past the report."""
+    launched = set()
+    for path in KERNEL_SOURCES.glob("*/triton.py"):
+        launched |= set(re.findall(r"\b(\w+)\[(?:grid|\()", path.read_text()))
+    assert launched == {r.kernel for r in report["rows"]}
+
+
+def test_a_spilling_config_is_caught(report):
+    """The depth_mix backward at 64 elements per thread (pruned from the autotune list)
+    spills, and the check says so."""
+    probe = report["probe"]
+    assert probe.spill_stores > 0 and probe.spill_loads > 0 and probe.registers == 255
+    assert any("spills" in p for p in probe.problems())
+
+
+def test_limits_trip_above_the_architecture():
+    sm80, sm90 = ARCHS[80], ARCHS[90]
+    assert (sm80.max_shared, sm90.max_shared) == (166912, 232448)
+    assert check_limits(255, 0, 0, sm80.max_shared, sm80) == []
+    assert check_limits(255, 0, 0, sm90.max_shared, sm90) == []
+    assert "shared memory" in check_limits(255, 0, 0, sm80.max_shared + 1, sm80)[0]
+    assert check_limits(40, 0, 0, sm90.max_shared + 1, sm90)
+    assert check_limits(256, 0, 0, 0, sm90)
