@@ -125,12 +125,14 @@ def extra_params(config, tp: int = 1) -> ExtraParams:
 
 
 def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
-    """Each DWA after block ``i`` saves the stack of its ``|S(i)|`` sources, ``h |S(i)|``
-    (on the sequence shard)."""
+    """Each DWA after block ``i`` saves its ``|S(i)|`` sources by reference; the earlier
+    ones are held anyway (saved by an earlier DWA, or as the next block's input where no
+    DWA followed), so what it adds is the block's own output ``X_i``, ``h`` (on the
+    sequence shard), which the next block does not read (it reads ``Y_i``)."""
     geo = DWAGeometry.from_config(config)
     t = tp if config.sequence_parallel else 1
     return SavedActivations(layers={
-        i - 1: config.hidden_size * len(geo.sources(i)) / t
+        i - 1: config.hidden_size / t
         for i in range(1, config.unrolled_layers + 1) if geo.has_dwa(i)})
 
 MIXER = Mixer(name="denseformer", saved_activations=saved_activations, config_cls=DenseFormerConfig,

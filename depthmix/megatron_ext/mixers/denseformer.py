@@ -96,9 +96,33 @@ class DepthWeightedAverage(StateHook):
 
 def depth_weighted_average(xs: List[Tensor], alpha: Tensor) -> Tensor:
     """``sum_j alpha_j xs[j]``, accumulated in fp32 (fp64 for fp64), ``xs[j] [s, b, h]``."""
-    acc = torch.promote_types(xs[0].dtype, torch.float32)
-    stacked = torch.stack([x.to(acc) for x in xs])  # [S, s, b, h]
-    return torch.tensordot(alpha.to(acc), stacked, dims=1).to(xs[0].dtype)
+    return _WeightedSum.apply(alpha, *xs)
+
+
+class _WeightedSum(torch.autograd.Function):
+    """The DWA as multiply-adds with a hand-written backward that saves the sources
+    themselves: no stacked or fp32 copy is kept (the sources are depth state, alive anyway,
+    except the block's own output ``X_i``), and compiled, forward and backward each fuse
+    into one pass (a stack + ``tensordot`` is a copy plus a matrix product either way)."""
+
+    @staticmethod
+    def forward(ctx, alpha: Tensor, *xs: Tensor) -> Tensor:
+        acc = torch.promote_types(xs[0].dtype, torch.float32)
+        weights = alpha.to(acc)
+        out = weights[0] * xs[0].to(acc)
+        for j in range(1, len(xs)):
+            out = out + weights[j] * xs[j].to(acc)
+        ctx.save_for_backward(alpha, *xs)
+        return out.to(xs[0].dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        alpha, *xs = ctx.saved_tensors
+        acc = torch.promote_types(xs[0].dtype, torch.float32)
+        grad, weights = grad.to(acc), alpha.to(acc)
+        grad_xs = [(weights[j] * grad).to(x.dtype) for j, x in enumerate(xs)]
+        grad_alpha = torch.stack([(grad * x.to(acc)).sum() for x in xs]).to(alpha.dtype)
+        return (grad_alpha, *grad_xs)
 
 
 class DenseFormerStem(StateStem):
