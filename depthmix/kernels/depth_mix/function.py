@@ -19,9 +19,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from depthmix.kernels._common import absent, present
 from depthmix.kernels.depth_mix.reference import MIX_RULES, MIXED_STATES, Sources
 from depthmix.kernels.depth_mix.triton import depth_mix_bwd, depth_mix_fwd
-from depthmix.kernels._common import absent, present
 
 
 def _views(inputs: Sequence[Tensor], stacked: bool) -> Tuple[Tensor, ...]:

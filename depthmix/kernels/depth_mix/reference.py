@@ -15,7 +15,7 @@ The op boundary (what a fused kernel will implement with the same signature):
 * inputs are the raw tensors, all of which already exist as activations: the layer's
   ``query/key/value`` (saved anyway for sequence attention's backward) and the sources'
   keys and mixed values (depth state, kept alive for the later layers that read them);
-* outputs are the mixed ``(key, value)`` only. A fused ``autograd.Function`` therefore saves
+* outputs are the mixed ``(key, value)`` only. A fused op therefore saves
   nothing new but ``S + 1`` softmax statistics per token and KV head (``[s, b, ng]``) and
   recomputes the weights in backward: nothing of size ``S x T x d`` is stored;
 * sources come either as a stacked ``[S, s, b, ng, hn]`` tensor — a slice or view of a
