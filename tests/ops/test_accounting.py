@@ -191,9 +191,10 @@ def test_parameter_count_matches_every_mixer(megatron_single, variant):
 
 # What FlopCounterMode (matmul-like aten ops; SDPA is invisible on CPU) cannot see of each
 # mixer's reference (torch) implementation, per token; it is checked another way:
-# * depth_attn, attnres: all of it (per-token dot products and weighted sums written
-#   elementwise, or matrix-vector). Their hooks are checked against a count of the depth
-#   op calls the forward actually makes (``_record_depth_ops``: sources per call);
+# * depth_attn, attnres, denseformer: all of it (per-token dot products and weighted sums
+#   written elementwise, or matrix-vector; DenseFormer's DWA as multiply-adds). Their hooks
+#   are checked against a count of the depth op calls the forward actually makes
+#   (``_record_depth_ops``: sources per call);
 # * ddl: all but the value projection ``W_v x_in`` (a matmul), by hand: per sublayer the read
 #   ``X r`` (mv) 2 h d_v, the gate dot 2 h, ``k^T X`` and the update (elementwise) 4 h d_v;
 #   the readout 2 h d_v;
@@ -205,9 +206,10 @@ def test_parameter_count_matches_every_mixer(megatron_single, variant):
 # which the counter sees on top of the mixer's own work.
 
 
-def _record_depth_ops(model):
-    """Wrap the depth ops of Depth-Attention and AttnRes; returns the list that collects
-    each call's forward FLOPs per token, from the call's actual arguments."""
+def _record_depth_ops(model, monkeypatch):
+    """Wrap the depth ops of Depth-Attention, AttnRes and DenseFormer; returns the list
+    that collects each call's forward FLOPs per token, from the call's actual arguments."""
+    from depthmix.megatron_ext.mixers import denseformer
     from depthmix.megatron_ext.mixers.attnres import PseudoQueryRead
     from depthmix.megatron_ext.mixers.depth_attn import DepthAttention
 
@@ -232,6 +234,14 @@ def _record_depth_ops(model):
             return op(sources, *args, **kwargs)
         return wrapped
 
+    def dwa(op):
+        def wrapped(xs, alpha):
+            calls.append(2 * len(xs) * xs[0].shape[-1])  # one multiply-add per source
+            return op(xs, alpha)
+        return wrapped
+
+    monkeypatch.setattr(denseformer, "depth_weighted_average",
+                        dwa(denseformer.depth_weighted_average))
     for module in model.modules():
         if isinstance(module, DepthAttention):
             module.depth_mix = depth_attn(module.depth_mix)
@@ -252,7 +262,7 @@ def _counted_per_token(model, run) -> float:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_mixer_flops_match_the_model(megatron_single, variant):
+def test_mixer_flops_match_the_model(megatron_single, variant, monkeypatch):
     from depthmix.config.megatron import to_transformer_config
     from depthmix.megatron_ext.mixers.moda import MoDAGeometry
 
@@ -263,11 +273,11 @@ def test_mixer_flops_match_the_model(megatron_single, variant):
     h, s, heads = m.hidden_size, m.seq_length, m.num_attention_heads
     dh, L = h // heads, m.num_layers * m.n_loops
     model = built(variant)
-    calls = _record_depth_ops(model)
+    calls = _record_depth_ops(model, monkeypatch)
     counted = _counted_per_token(model, run) - _counted_per_token(built(variant, "vanilla"), run)
     f = acc.flops_per_token(run)
 
-    unseen = sum(calls)  # depth_attn, attnres
+    unseen = sum(calls)  # depth_attn, attnres, denseformer
     if name == "ddl":
         dv = run.mixer.value_channels
         unseen += 2 * L * (2 * h * dv + 2 * h + 4 * h * dv) + 2 * h * dv
@@ -284,7 +294,7 @@ def test_mixer_flops_match_the_model(megatron_single, variant):
         # size-1 axis as a broadcast multiply: invisible, 2 H d_h
         unseen += 2 * heads * dh * sum(1 for u in range(L) if len(geo.visible(u)) == 1)
     assert counted + unseen - seen_besides == f["mixer"] + f["short_swa"]
-    if name in ("depth_attn", "attnres_full", "attnres_block"):
+    if name in ("depth_attn", "attnres_full", "attnres_block", "denseformer"):
         assert len(calls) > 0
     assert (f["mixer"] > 0) == (name != "vanilla")
     assert (f["short_swa"] > 0) == (window > 0)
