@@ -6,7 +6,8 @@
 * Parity with eager through the trainer (3 steps, losses within 1e-5 relative, step-1
   gradients within 1e-5 of the norm) for every mixer at TP1 and with full recomputation.
   TP2+SP and PP2 run for three mixers by default (uniform, state-carrying and growing) and
-  for every mixer with ``DEPTHMIX_COMPILE_GRID=all`` (about 15 minutes on 2 CPU cores).
+  for every mixer with ``DEPTHMIX_COMPILE_GRID=all`` (about 6 minutes on 2 CPU cores with a
+  warm inductor cache); PP2 x VP2 and DP2 + distributed optimizer for Full AttnRes.
 * ``mixer.impl=triton`` (the interpreter): the kernels, custom ops, stay inside each
   layer's graph (no graph break) and the losses are eager's, for the four kernel mixers.
 * Refusals at start-up naming ``train.compile``.
@@ -182,3 +183,18 @@ def test_command_line_values(tmp_path):
         run = compose_run("model=tiny")
         run.train.compile = "yes"
         validate(run)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_parity_interleaved_pipeline_and_distributed_optimizer():
+    """The two layouts left: PP2 x VP2 (1F1B interleaved; four layers, one per chunk) and
+    DP2 with the distributed optimizer, for a mixer whose depth state grows with depth."""
+    mixer = "attnres_full"
+    interleaved = [_run(mixer, c, pp=2, vp=2) for c in ("false", "true")]
+    for run in interleaved:
+        run.model.num_layers = 4
+        run.mixer.resolve(run.model)
+    distopt = [_run(mixer, c, distributed_optimizer=True) for c in ("false", "true")]
+    results = run_layouts(interleaved + distopt, world_size=2, timeout=1500)
+    _assert_parity(results, [f"{mixer} pp2-vp2", f"{mixer} dp2-distopt"], "")
