@@ -182,6 +182,10 @@ def _dynamo_counts() -> Counter:
 
 def main():
     args = parse_args()
+    from depthmix.pretrain import run_log
+
+    run_log.startup_warnings.start()  # Megatron's import-time notices: held back, as in training
+    run_log.quiet_libraries(verbose=False)
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import SyntheticData
 
