@@ -57,6 +57,12 @@ def last_dim_contiguous(*tensors: Optional[Tensor]) -> List[Optional[Tensor]]:
 # outside (:func:`absent`); no real output or gradient of these ops is 1-D and empty.
 
 
+def empty_like_contiguous(t: Tensor) -> Tensor:
+    """What a launcher allocates for an output shaped like ``t`` (a fake implementation's
+    output): same shape, dtype and device, contiguous strides."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def present(t: Optional[Tensor], like: Tensor) -> Tensor:
     """``t``, or an empty 1-D placeholder of ``like``'s dtype and device for None."""
     return like.new_empty(0) if t is None else t

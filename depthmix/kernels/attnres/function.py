@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from depthmix.kernels._common import absent, acc_dtype, present
+from depthmix.kernels._common import absent, acc_dtype, empty_like_contiguous, present
 from depthmix.kernels.attnres.triton import attnres_bwd, attnres_fwd, check_sources
 
 
@@ -28,7 +28,7 @@ def _(sources, query, key_weight, out_weight, eps, out_eps):
     first = sources[0]
     tokens = first.numel() // first.shape[-1]
     z = first.new_empty(len(sources), tokens, dtype=acc_dtype(first.dtype))
-    return (torch.empty_like(first, memory_format=torch.contiguous_format), z,
+    return (empty_like_contiguous(first), z,
             torch.empty_like(z), z.new_empty(tokens))
 
 
@@ -45,7 +45,7 @@ def _bwd(sources: List[Tensor], query: Tensor, key_weight: Tensor, out_weight: O
 
 @_bwd.register_fake
 def _(sources, query, key_weight, out_weight, out_eps, dout, z, rstd, lse):
-    dsources = [torch.empty_like(y, memory_format=torch.contiguous_format) for y in sources]
+    dsources = [empty_like_contiguous(y) for y in sources]
     return (dsources, torch.empty_like(query), torch.empty_like(key_weight),
             query.new_empty(0) if out_weight is None else torch.empty_like(out_weight))
 

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from depthmix.kernels._common import absent, present
+from depthmix.kernels._common import absent, empty_like_contiguous, present
 from depthmix.kernels.depth_mix.reference import MIX_RULES, MIXED_STATES, Sources
 from depthmix.kernels.depth_mix.triton import depth_mix_bwd, depth_mix_fwd
 
@@ -50,10 +50,8 @@ def _fwd(query: Tensor, key: Tensor, value: Tensor, key_inputs: List[Tensor],
 def _(query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, softmax, mix_keys,
       mix_values, scale):
     lse_dtype = torch.promote_types(query.dtype, torch.float32)
-    return (torch.empty_like(key, memory_format=torch.contiguous_format) if mix_keys
-            else key.new_empty(0),
-            torch.empty_like(value, memory_format=torch.contiguous_format) if mix_values
-            else value.new_empty(0),
+    return (empty_like_contiguous(key) if mix_keys else key.new_empty(0),
+            empty_like_contiguous(value) if mix_values else value.new_empty(0),
             key.new_empty(key.shape[:3], dtype=lse_dtype) if softmax else key.new_empty(0))
 
 

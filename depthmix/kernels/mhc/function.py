@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from depthmix.kernels._common import absent, acc_dtype, present
+from depthmix.kernels._common import absent, acc_dtype, empty_like_contiguous, present
 from depthmix.kernels.mhc import triton as kernels
 from depthmix.kernels.mhc.reference import MHCOps
 
@@ -37,7 +37,7 @@ def _sinkhorn_bwd(logits: Tensor, grad: Tensor, iters: int) -> Tensor:
 
 @_sinkhorn_bwd.register_fake
 def _(logits, grad, iters):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+    return empty_like_contiguous(logits)
 
 
 def _sinkhorn_setup(ctx, inputs, output):
@@ -87,8 +87,7 @@ def _read_bwd(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, h_pre: Tensor
 
 @_read_bwd.register_fake
 def _(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res, variant, iters):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for t in (x, phi, alpha, bias))
+    return tuple(empty_like_contiguous(t) for t in (x, phi, alpha, bias))
 
 
 def _read_setup(ctx, inputs, output):
@@ -120,7 +119,7 @@ def _post_res_fwd(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor])
 
 @_post_res_fwd.register_fake
 def _(x, y, h_post, h_res):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return empty_like_contiguous(x)
 
 
 @torch.library.custom_op("depthmix::mhc_post_res_bwd", mutates_args=())
@@ -136,9 +135,7 @@ def _post_res_bwd(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor],
 
 @_post_res_bwd.register_fake
 def _(x, y, h_post, h_res, grad):
-    def like(t):
-        return torch.empty_like(t, memory_format=torch.contiguous_format)
-
+    like = empty_like_contiguous
     if h_res is None:
         return x.new_empty(0), like(y), like(h_post), h_post.new_empty(0)
     return like(x), like(y), like(h_post), like(h_res)

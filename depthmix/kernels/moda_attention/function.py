@@ -17,7 +17,7 @@ import torch
 import triton
 from torch import Tensor
 
-from depthmix.kernels._common import absent, last_dim_contiguous, present
+from depthmix.kernels._common import absent, empty_like_contiguous, last_dim_contiguous, present
 from depthmix.kernels.moda_attention.reference import _check_shapes
 from depthmix.kernels.moda_attention.triton import (
     Tiles,
@@ -41,7 +41,7 @@ def _(query, key, value, depth_key, depth_value, count, scale, tiles):
     sq, b, np_, _ = query.shape
     ng = key.shape[2]
     lse = query.new_empty(b * ng, sq * triton.next_power_of_2(np_ // ng), dtype=torch.float32)
-    return torch.empty_like(query, memory_format=torch.contiguous_format), lse
+    return empty_like_contiguous(query), lse
 
 
 @torch.library.custom_op("depthmix::moda_attention_bwd", mutates_args=())
@@ -58,9 +58,7 @@ def _bwd(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
 
 @_bwd.register_fake
 def _(grad_out, query, key, value, depth_key, depth_value, out, lse, count, scale, tiles):
-    def like(t: Tensor) -> Tensor:
-        return torch.empty_like(t, memory_format=torch.contiguous_format)
-
+    like = empty_like_contiguous
     has_depth = depth_key is not None and count > 0
     depth_grads = (like(depth_key), like(depth_value)) if has_depth else (query.new_empty(0),) * 2
     return (like(query), like(key), like(value), *depth_grads)
