@@ -7,9 +7,9 @@ from typing import Optional
 
 import torch
 
-from depthmix import cpu_compat
+from depthmix.runtime import patches as cpu_compat
 from depthmix.config.schema import RunConfig
-from depthmix.pretrain.launch_env import free_port  # noqa: F401  (re-exported for tests)
+from depthmix.runtime.env import free_port  # noqa: F401  (re-exported for tests)
 
 
 def init_single_process(seed: int = 1234) -> None:
@@ -30,7 +30,7 @@ def init_single_process(seed: int = 1234) -> None:
 
 def tiny_run(mixer: str = "vanilla", **mixer_options) -> RunConfig:
     """A 4-layer, 64-wide GQA (G=2) model on 16-token sequences; fp32."""
-    from depthmix.megatron_ext.mixers import get_mixer
+    from depthmix.mixers import get_mixer
 
     run = RunConfig()
     m = run.model
@@ -48,7 +48,7 @@ def tiny_run(mixer: str = "vanilla", **mixer_options) -> RunConfig:
 
 def build_model(run: RunConfig, dtype: Optional[torch.dtype] = None):
     """Build the whole model on one rank (call :func:`init_single_process` first)."""
-    from depthmix.config.megatron import to_transformer_config
+    from depthmix.megatron_ext.config import to_transformer_config
     from depthmix.config.validate import validate
     from depthmix.megatron_ext.model import DepthMixModel
 

@@ -33,7 +33,7 @@ export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-600}
 # torchrun runs in its own session: a signal for this script (or Ctrl-C on the terminal)
 # reaches it once, forwarded below, never twice.
 setsid "${DEPTHMIX_PYTHON:-python}" -m torch.distributed.run --standalone \
-    --nproc-per-node="$NPROC_PER_NODE" -m depthmix.pretrain.train "$@" &
+    --nproc-per-node="$NPROC_PER_NODE" -m depthmix.cli.train "$@" &
 torchrun_pid=$!
 
 interrupts=0

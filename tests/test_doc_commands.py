@@ -1,7 +1,7 @@
 """Every training command in README.md and docs/ works for the model it names.
 
 Each line of a ```bash block that runs the trainer (``depthmix-train``, ``torchrun ... -m
-depthmix.pretrain.train``, ``launch/local.sh``, ``launch/slurm/train.sbatch``) is
+depthmix.cli.train``, ``launch/local.sh``, ``launch/slurm/train.sbatch``) is
 dry-run in this process (``train.dry_run=true``) at the world size the command implies,
 every multirun point separately (the points of ``sweep=`` files included).
 ``depthmix-preprocess`` lines are parsed by its argument parser; the other CLIs (eval,
@@ -86,8 +86,8 @@ def classify(where: str, words: List[str]):
         return DocCommand(where, text, "depthmix-train", words[1:])
     if words[0] == "depthmix-preprocess":
         return DocCommand(where, text, "depthmix-preprocess", words[1:])
-    if words[0] == "torchrun" and "depthmix.pretrain.train" in words:
-        args = words[words.index("depthmix.pretrain.train") + 1:]
+    if words[0] == "torchrun" and "depthmix.cli.train" in words:
+        args = words[words.index("depthmix.cli.train") + 1:]
         nodes = int(_option(words, "--nnodes", default="1").split(":")[-1])
         nproc = int(_option(words, "--nproc-per-node", "--nproc_per_node", default="1"))
         return DocCommand(where, text, "depthmix-train", args, nodes * nproc)
@@ -121,7 +121,7 @@ def sweep_points(args: List[str]) -> tuple:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from depthmix.config.store import register_configs
-    from depthmix.pretrain.launch_env import register_resolvers
+    from depthmix.runtime.env import register_resolvers
 
     parser = OverridesParser.create()
     if not any(a.startswith(("sweep=", "launcher=")) for a in args):  # nothing to read
@@ -183,7 +183,7 @@ def dry_run(args: List[str], world_size: Optional[int]) -> tuple:
     """(exit status, output) of ``depthmix-train <args> train.dry_run=true``, in process."""
     from depthmix.config.load import compose_run
     from depthmix.config.schema import ConfigError
-    from depthmix.pretrain import dry_run as dry
+    from depthmix.planning import dry_run as dry
 
     try:
         run = compose_run(*args, "train.dry_run=true")

@@ -59,7 +59,7 @@ TINY_OPTIONS = ["attnres_block.block_size=4"]
 
 def build_runs(args):
     from depthmix.config.load import compose_run
-    from depthmix.megatron_ext.mixers import available, get_mixer
+    from depthmix.mixers import available, get_mixer
 
     names = available() if args.mixers == "all" else args.mixers.split(",")
     if "vanilla" in names:
@@ -182,7 +182,7 @@ def _dynamo_counts() -> Counter:
 
 def main():
     args = parse_args()
-    from depthmix.pretrain import run_log
+    from depthmix.runtime import log as run_log
 
     run_log.startup_warnings.start()  # Megatron's import-time notices: held back, as in training
     run_log.quiet_libraries(verbose=False)

@@ -30,7 +30,7 @@ from typing import Dict, List, Sequence
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, said aloud
 
-from depthmix.pretrain.run_log import startup_warnings  # noqa: E402
+from depthmix.runtime.log import startup_warnings  # noqa: E402
 
 startup_warnings.start()  # Megatron's import-time notices (the bench modules import it)
 

@@ -26,9 +26,9 @@ def main():
     args = p.parse_args()
 
     from depthmix.config.load import compose_run
-    from depthmix.config.megatron import to_transformer_config
-    from depthmix.megatron_ext.layout import PipelineLayout
-    from depthmix.megatron_ext.mixers import available
+    from depthmix.megatron_ext.config import to_transformer_config
+    from depthmix.planning.pipeline import PipelineLayout
+    from depthmix.mixers import available
     from depthmix.megatron_ext.transport import geometry_of
 
     names = available() if args.mixers == "all" else args.mixers.split(",")

@@ -45,7 +45,7 @@ def _typed(group: str, schema: type, node) -> object:
 
 def resolve(cfg: DictConfig) -> RunConfig:
     """Type-check every group against its dataclass and fill preset-dependent defaults."""
-    from depthmix.config.mixers import get_mixer
+    from depthmix.mixers import get_mixer
 
     groups = {name: _typed(name, schema, cfg.get(name)) for name, schema in _GROUPS.items()}
     mixer_node = cfg.get("mixer") or {"name": "vanilla"}

@@ -204,7 +204,7 @@ class TrainConfig:
     ``on_nonfinite``; counted towards ``max_nonfinite_steps``)."""
     peak_tflops: Optional[float] = None
     """Per-device peak dense TFLOP/s for MFU; None = look the device up in a table
-    (``depthmix.pretrain.accounting.PEAK_TFLOPS``); no MFU when unknown (e.g. CPU)."""
+    (``depthmix.planning.flops.PEAK_TFLOPS``); no MFU when unknown (e.g. CPU)."""
     verbose: bool = False
     """Show what the libraries print at start-up: every Megatron-Core / Apex / Transformer
     Engine warning, Megatron's config dumps and bucket lists, W&B's messages. Default: one

@@ -25,7 +25,7 @@ def register_configs() -> None:
     global _registered
     if _registered:
         return
-    from depthmix.config.mixers import available, get_mixer
+    from depthmix.mixers import available, get_mixer
 
     cs = ConfigStore.instance()
     for group, schema in (("model", ModelConfig), ("parallel", ParallelConfig),

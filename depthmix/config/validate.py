@@ -5,7 +5,7 @@
 ``MixerConfig.validate`` and, given the world size, the layout checks. String options
 take one of the values in :data:`CHOICES` (a misspelt one is told the closest), any text
 (:data:`FREE_TEXT`: names and paths), or a syntax of their own (:data:`SYNTAX`). The checks
-that read files (data, tokenizer, save directory) are in :mod:`depthmix.config.preflight`.
+that read files (data, tokenizer, save directory) are in :mod:`depthmix.pretrain.preflight`.
 Nothing here imports torch or Megatron.
 """
 

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from depthmix.config.schema import ConfigError
 from depthmix.config.store import register_configs
-from depthmix.pretrain import launch_env
+from depthmix.runtime import env as launch_env
 
 launch_env.register_resolvers()
 
@@ -75,7 +75,7 @@ def hydra_main(cfg: DictConfig) -> None:
     from depthmix.evaluate.job import prepare
     from depthmix.pretrain.parallelize import destroy_distributed
 
-    from depthmix.pretrain.run_log import quiet_libraries, startup_warnings
+    from depthmix.runtime.log import quiet_libraries, startup_warnings
 
     startup_warnings.start()  # Megatron's import-time notices and config dumps: held back,
     quiet_libraries(verbose=False)  # as in training
@@ -92,7 +92,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    from depthmix.pretrain.train import _nonzero_rank_overrides
+    from depthmix.cli.train import _nonzero_rank_overrides
 
     register_configs()
     os.environ.setdefault("DEPTHMIX_RUN_KEY", launch_env.run_key())

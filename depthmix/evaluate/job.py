@@ -22,7 +22,7 @@ from typing import List, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from depthmix.config.fingerprint import mismatches, run_from_record
+from depthmix.checkpoint.record import mismatches, run_from_record
 from depthmix.config.schema import ConfigError, EvalConfig, RunConfig
 from depthmix.evaluate.windows import TokenStream, num_windows
 
@@ -179,7 +179,7 @@ def prepare(cfg: DictConfig, overrides: Sequence[str], world_size: int = 1) -> E
     from depthmix.config.load import resolve
     from depthmix.config.validate import validate
     from depthmix.inference.load import find_checkpoint
-    from depthmix.pretrain import checkpoint as ckpt
+    from depthmix.checkpoint import distributed as ckpt
 
     composed = resolve(cfg)
     ev: EvalConfig = OmegaConf.to_object(cfg.eval)
@@ -213,7 +213,7 @@ def compose_job(*overrides: str, world_size: int = 1) -> EvalJob:
     from hydra import compose, initialize_config_module
 
     from depthmix.config.store import register_configs
-    from depthmix.pretrain.launch_env import register_resolvers
+    from depthmix.runtime.env import register_resolvers
 
     register_configs()
     register_resolvers()

@@ -1,7 +1,7 @@
 """Loss and perplexity of a checkpoint on token datasets, at any TP/PP/VP/DP layout.
 
 The model is built and loaded exactly as training builds and resumes it
-(:func:`~depthmix.pretrain.parallelize.build_model`, :func:`~depthmix.pretrain.checkpoint.load`
+(:func:`~depthmix.pretrain.parallelize.build_model`, :func:`~depthmix.checkpoint.distributed.load`
 with weights only, no optimizer), and each step is the trainer's
 :func:`~depthmix.pretrain.step.eval_step` (Megatron's schedule, ``forward_only=True``) over
 the windows of :mod:`depthmix.evaluate.windows`. Losses are token sums reduced over the
@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import List
 
-from depthmix.config.megatron import to_transformer_config
+from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.config.schema import RunConfig
 from depthmix.evaluate.windows import microbatches, steps
-from depthmix.pretrain import checkpoint as ckpt
+from depthmix.checkpoint import distributed as ckpt
 from depthmix.pretrain.parallelize import build_model, init_distributed
 from depthmix.pretrain.step import eval_step
 

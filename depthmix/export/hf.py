@@ -167,9 +167,9 @@ def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
     """
     from safetensors.torch import save_file
 
-    from depthmix.config.fingerprint import run_from_record
+    from depthmix.checkpoint.record import run_from_record
     from depthmix.inference.load import find_checkpoint, load_model
-    from depthmix.pretrain import checkpoint as ckpt
+    from depthmix.checkpoint import distributed as ckpt
 
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype} must be one of {list(DTYPES)}")
@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from depthmix.pretrain.run_log import quiet_libraries, startup_warnings
+    from depthmix.runtime.log import quiet_libraries, startup_warnings
 
     startup_warnings.start()  # Megatron's import-time notices: held back, as in training
     quiet_libraries(verbose=False)

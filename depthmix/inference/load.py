@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from depthmix.config.fingerprint import run_from_record
+from depthmix.checkpoint.record import run_from_record
 from depthmix.config.schema import ConfigError, RunConfig
 
 
@@ -32,7 +32,7 @@ class LoadedModel:
     @property
     def tokenizer_path(self) -> Optional[str]:
         """The run's tokenizer saved with the checkpoint, or None (runs on synthetic data)."""
-        from depthmix.pretrain.checkpoint import TOKENIZER
+        from depthmix.checkpoint.distributed import TOKENIZER
 
         path = os.path.join(self.path, TOKENIZER)
         return path if os.path.isfile(path) else None
@@ -46,7 +46,7 @@ class LoadedModel:
 def find_checkpoint(path: str, option: str = "checkpoint") -> str:
     """The complete checkpoint ``path`` names (a save dir -> its latest, or one ``iter_*``
     directory); a :class:`ConfigError` naming ``option`` when there is none."""
-    from depthmix.pretrain import checkpoint as ckpt
+    from depthmix.checkpoint import distributed as ckpt
 
     if not path or not os.path.exists(path):
         raise ConfigError(f"{option}={path}: no such directory")
@@ -68,7 +68,7 @@ def load_model(path: str, impl: str = "torch", dtype: Optional[torch.dtype] = No
     the weights after loading (default: the training precision). Initialises a world of
     one process (gloo on CPU) when no process group exists.
     """
-    from depthmix.pretrain.run_log import quiet_libraries, startup_warnings
+    from depthmix.runtime.log import quiet_libraries, startup_warnings
 
     # Megatron's import-time notices are library noise here, as in training (held back)
     startup_warnings.start()
@@ -83,9 +83,9 @@ def _load_model(path: str, impl: str, dtype: Optional[torch.dtype],
                 device: Optional[torch.device], option: str) -> LoadedModel:
     from megatron.core import dist_checkpointing
 
-    from depthmix.config.megatron import to_transformer_config
+    from depthmix.megatron_ext.config import to_transformer_config
     from depthmix.megatron_ext.model import DepthMixModel
-    from depthmix.pretrain import checkpoint as ckpt
+    from depthmix.checkpoint import distributed as ckpt
     from depthmix.pretrain.parallelize import init_distributed
 
     found = find_checkpoint(path, option)

@@ -23,7 +23,7 @@ from typing import Iterable, Tuple
 
 import torch
 
-from depthmix.config.mixers.base import IMPLS
+from depthmix.mixers.base import IMPLS
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import check_choice
 from depthmix.kernels._common import interpreting

@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
 from depthmix.megatron_ext.context import ForwardContext
-from depthmix.megatron_ext.depth_state import DepthState
+from depthmix.planning.depth_plan import DepthState
 
 
 class NoDepthMixer(MegatronModule):

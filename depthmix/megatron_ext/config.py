@@ -1,4 +1,5 @@
-"""``DepthMixConfig``: Megatron's ``TransformerConfig`` plus what a depth-mixing decoder needs."""
+"""``DepthMixConfig``: Megatron's ``TransformerConfig`` plus what a depth-mixing decoder needs, and
+the one function that maps a :class:`RunConfig` onto it (:func:`to_transformer_config`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from typing import Any
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from depthmix.config.megatron import DerivedShape
+from depthmix.config.schema import RunConfig
+from depthmix.config.validate import padded_vocab_size
+from depthmix.planning.shape import DerivedShape
 
 
 @dataclass
@@ -15,11 +18,11 @@ class DepthMixConfig(TransformerConfig, DerivedShape):
     """One config object passed to every module, in Megatron's idiom.
 
     The mixer-specific options live in the nested ``mixer`` dataclass (one per method, see
-    ``depthmix.megatron_ext.mixers``) rather than as flat fields here.
+    ``depthmix.mixers``) rather than as flat fields here.
     """
 
     mixer: Any = None
-    """The method's :class:`~depthmix.megatron_ext.mixers.base.MixerConfig`."""
+    """The method's :class:`~depthmix.mixers.base.MixerConfig`."""
     vocab_size: int = 50304
     """Padded vocabulary size (a multiple of 128 * tp)."""
     seq_length: int = 2048
@@ -30,3 +33,75 @@ class DepthMixConfig(TransformerConfig, DerivedShape):
     """Looped transformer: ``num_layers`` unique layers applied ``n_loops`` times."""
     init_seed: int = 1234
     """Base seed of the layout-invariant initialisation (see ``model.seeded_init``)."""
+
+
+def to_transformer_config(run: RunConfig):
+    """Build the :class:`DepthMixConfig` every module receives.
+
+    Choices the papers leave open, made here: Qwen3-style layers (RMSNorm, SwiGLU, QK-norm,
+    RoPE, no biases, no dropout); every weight initialised N(0, init_std) as in the papers'
+    Hugging Face configs ("initializer range"), so output projections are *not* scaled by
+    1/sqrt(2L) as Megatron's default would; untied embeddings.
+    """
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.utils import init_method_normal
+
+    m, p, t = run.model, run.parallel, run.train
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
+    init = init_method_normal(m.init_std)
+    return DepthMixConfig(
+        # architecture
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.head_dim or m.hidden_size // m.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        qk_layernorm=m.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_std,
+        init_method=init,
+        output_layer_init_method=init,
+        # parallelism
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vp,
+        sequence_parallel=p.sequence_parallel,
+        use_cpu_initialization=p.use_cpu_initialization,
+        deallocate_pipeline_outputs=True,
+        # Interleaved with 2 stages: the previous and next stage are the same rank, and a
+        # batched send of an activation and a gradient to it can be matched in the wrong
+        # order. Megatron's unbatched path puts the two directions on different groups.
+        batch_p2p_comm=not (p.vp is not None and p.pp == 2),
+        recompute_granularity="full" if p.recompute == "full" else None,
+        recompute_method="uniform" if p.recompute == "full" else None,
+        recompute_num_layers=1 if p.recompute == "full" else None,
+        # precision
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        # fusions that need Apex/TE are off; SDPA and our kernels do the heavy lifting
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        # depthmix
+        mixer=run.mixer,
+        vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
+        seq_length=m.seq_length,
+        rotary_base=m.rotary_base,
+        norm_position=m.norm_position,
+        n_loops=m.n_loops,
+        init_seed=t.seed,
+    )

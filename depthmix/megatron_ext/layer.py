@@ -26,7 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
 from depthmix.megatron_ext.context import ForwardContext
-from depthmix.megatron_ext.depth_state import HIDDEN, DepthState
+from depthmix.planning.depth_plan import HIDDEN, DepthState
 
 
 class ResidualOp(MegatronModule):
@@ -139,3 +139,10 @@ class DepthMixLayer(MegatronModule):
 
         self.post_layer(state, ctx)
         return state
+
+
+def mark_mixing_parameter(param, config) -> None:
+    """Per-token parameters on the full hidden: grads are partial per sequence shard under
+    sequence parallelism (all-reduced over TP), and they are excluded from weight decay."""
+    param.sequence_parallel = config.sequence_parallel
+    param.no_weight_decay = True

@@ -26,9 +26,9 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import Tensor
 
 from depthmix.megatron_ext.context import ForwardContext
-from depthmix.megatron_ext.depth_state import DepthPlan, DepthState
+from depthmix.planning.depth_plan import DepthPlan, DepthState
 from depthmix.megatron_ext.layer import HIDDEN
-from depthmix.megatron_ext.layout import PipelineLayout
+from depthmix.planning.pipeline import PipelineLayout
 from depthmix.megatron_ext.transport import DepthStateCache, DepthTransport, geometry_of
 
 
@@ -171,7 +171,7 @@ class DepthMixModel(LanguageModule):
                  vp_stage: Optional[int] = None, cache: Optional[DepthStateCache] = None,
                  pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
-        from depthmix.megatron_ext.mixers import get_mixer
+        from depthmix.mixers import get_mixer
 
         self.model_type = ModelType.encoder_or_decoder
         mixer = get_mixer(config.mixer.name)

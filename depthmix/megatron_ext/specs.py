@@ -53,7 +53,7 @@ def get_decoder_layer_submodules(config) -> DepthMixLayerSubmodules:
     )
     # the Residual Stream Duality paper's ShortSWA, any mixer
     if getattr(config.mixer, "short_swa_window", 0) > 0:
-        from depthmix.megatron_ext.mixers.short_swa import get_short_swa_spec
+        from depthmix.megatron_ext.short_swa import get_short_swa_spec
 
         layer.short_swa = get_short_swa_spec(config)
     return layer

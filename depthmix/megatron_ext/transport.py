@@ -39,8 +39,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from depthmix.megatron_ext.depth_state import DepthPlan, DepthState, Entry
-from depthmix.megatron_ext.layout import PipelineLayout
+from depthmix.planning.depth_plan import DepthPlan, DepthState, Entry
+from depthmix.planning.pipeline import PipelineLayout
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class TransportGeometry:
 def geometry_of(config, layout: PipelineLayout, tp: Optional[int] = None) -> TransportGeometry:
     """The transport geometry of a model config (its mixer's plan) on ``layout``: the one
     constructor the model, the accounting, the dry run and the tools use."""
-    from depthmix.megatron_ext.mixers import get_mixer
+    from depthmix.mixers import get_mixer
 
     tp = tp if tp is not None else config.tensor_model_parallel_size
     plan = DepthPlan(get_mixer(config.mixer.name).plan(config, tp), config.unrolled_layers)

@@ -33,7 +33,7 @@ _layers_compiled = 0
 
 def enabled(run: RunConfig) -> bool:
     """``true``, or ``auto`` on CUDA (the start-up checks are
-    :func:`depthmix.config.preflight.check_compile`)."""
+    :func:`depthmix.pretrain.preflight.check_compile`)."""
     mode = run.train.compile
     if mode == "auto":
         return torch.cuda.is_available()

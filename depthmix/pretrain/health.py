@@ -151,7 +151,7 @@ class HealthGuard:
         """The step after a save tells whether the saved weights were good."""
         import torch.distributed as dist
 
-        from depthmix.pretrain import checkpoint as ckpt
+        from depthmix.checkpoint import distributed as ckpt
 
         path, self._unconfirmed = self._unconfirmed, None
         if failed:
@@ -182,7 +182,7 @@ class HealthGuard:
 
     def rollback(self, trainer, reason: str) -> bool:
         """Collective: reload the newest healthy intact checkpoint, keep the data position."""
-        from depthmix.pretrain import checkpoint as ckpt
+        from depthmix.checkpoint import distributed as ckpt
 
         root = trainer.state.save_dir
         candidates = [p for p in ckpt.resume_candidates(root, warn=False) if ckpt.is_healthy(p)] \
@@ -201,7 +201,7 @@ class HealthGuard:
         for cb in trainer.callbacks:
             cb.post_restore(trainer)
         if trainer.topo.is_logging_rank:
-            from depthmix.pretrain.run_log import say
+            from depthmix.runtime.log import say
 
             say(f"rolled back from step {failed_at} ({reason}) to {path}; skipping the "
                 f"{skipped} samples since")

@@ -20,13 +20,13 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
-from depthmix import cpu_compat
+from depthmix.runtime import patches as cpu_compat
 from depthmix.config.schema import RunConfig
 from depthmix.megatron_ext.model import DepthMixModel
 from depthmix.megatron_ext.transport import DepthStateCache
 from depthmix.pretrain.compile import compile_layers
 from depthmix.pretrain.compile import enabled as compile_enabled
-from depthmix.pretrain.launch_env import free_port
+from depthmix.runtime.env import free_port
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from depthmix.pretrain.accounting import Throughput
+from depthmix.planning.flops import Throughput
 from depthmix.pretrain.parallelize import unwrap
 
 Batch = Dict[str, torch.Tensor]

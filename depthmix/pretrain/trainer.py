@@ -11,16 +11,16 @@ from typing import List, Optional
 import numpy as np
 from megatron.core.distributed import finalize_model_grads
 
-from depthmix.config.megatron import to_transformer_config
+from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.config.schema import RunConfig
-from depthmix.config.preflight import preflight
-from depthmix.pretrain import checkpoint as ckpt
-from depthmix.pretrain.accounting import ThroughputMeter
+from depthmix.pretrain.preflight import preflight
+from depthmix.checkpoint import distributed as ckpt
+from depthmix.planning.flops import ThroughputMeter
 from depthmix.pretrain.callbacks import Callback, ConsoleLogger
 from depthmix.pretrain.health import HealthGuard
 from depthmix.pretrain.optim import build_optimizer
 from depthmix.pretrain.parallelize import build_model, init_distributed
-from depthmix.pretrain.run_log import say
+from depthmix.runtime.log import say
 from depthmix.pretrain.state import TrainState
 from depthmix.pretrain.step import StepResult, eval_step, take, train_step
 

@@ -28,7 +28,7 @@ set +e
     --rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT}" \
     --rdzv-id="${SLURM_JOB_ID:-depthmix}" \
     --max-restarts=0 \
-    -m depthmix.pretrain.train "$@"
+    -m depthmix.cli.train "$@"
 status=$?
 set -e
 marks=$(find "$DEPTHMIX_EXIT_DIR" -name 'rank*' | wc -l)

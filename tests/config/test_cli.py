@@ -12,8 +12,9 @@ import typing
 
 import pytest
 
-from depthmix.config import cli, schema
-from depthmix.config.mixers import available, get_mixer
+from depthmix.cli import overrides as cli
+from depthmix.config import schema
+from depthmix.mixers import available, get_mixer
 from depthmix.config.validate import CHOICES, FREE_TEXT, SYNTAX
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,7 +104,7 @@ def no_model(monkeypatch, tmp_path):
 
 
 def run_main(monkeypatch, args) -> int:
-    from depthmix.pretrain.train import main
+    from depthmix.cli.train import main
 
     monkeypatch.setattr(sys, "argv", ["depthmix-train", "logger=none", *args])
     with pytest.raises(SystemExit) as info:
@@ -126,7 +127,7 @@ def test_bad_option_exits_2_naming_it(no_model, monkeypatch, capsys, overrides, 
 @pytest.mark.parametrize("name", available())
 def test_every_shipped_mixer_starts_with_the_defaults(tmp_path, name):
     from depthmix.config.load import compose_run
-    from depthmix.config.preflight import preflight
+    from depthmix.pretrain.preflight import preflight
 
     run = compose_run(f"mixer={name}", f"output_dir={tmp_path}")
     preflight(run, world_size=1)
@@ -149,7 +150,7 @@ def test_help_lists_real_choices_and_describes_every_option():
 # ------------------------------------------------------------------------ real processes
 PROBE = """
 import json, sys
-from depthmix.pretrain.train import main
+from depthmix.cli.train import main
 sys.argv = ["depthmix-train", *sys.argv[1:]]
 try:
     main()
@@ -165,7 +166,7 @@ def depthmix_train(tmp_path, *args, probe=False) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", DEPTHMIX_RUN_KEY="test")
     env.pop("WORLD_SIZE", None)
     cmd = ([sys.executable, "-c", PROBE] if probe
-           else [sys.executable, "-m", "depthmix.pretrain.train"])
+           else [sys.executable, "-m", "depthmix.cli.train"])
     return subprocess.run([*cmd, *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=180)
 

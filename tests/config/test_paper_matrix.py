@@ -6,8 +6,8 @@ import io
 import pytest
 
 from depthmix.config.load import compose_run
-from depthmix.megatron_ext.mixers import available
-from depthmix.pretrain import dry_run
+from depthmix.mixers import available
+from depthmix.planning import dry_run
 
 # preset -> (overrides, world size) of a paper-scale run
 PAPER_LAYOUTS = {

@@ -3,7 +3,7 @@
 import pytest
 
 from depthmix.config.load import compose_run
-from depthmix.config.preflight import preflight, split_ranges
+from depthmix.pretrain.preflight import preflight, split_ranges
 from depthmix.config.schema import ConfigError
 
 

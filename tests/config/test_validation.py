@@ -5,7 +5,7 @@ from hydra.errors import MissingConfigException
 
 from depthmix.config.load import compose_run
 from depthmix.config.schema import ConfigError
-from depthmix.config.preflight import preflight
+from depthmix.pretrain.preflight import preflight
 from depthmix.config.validate import validate
 
 

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from depthmix.config.preflight import preflight
+from depthmix.pretrain.preflight import preflight
 from depthmix.config.schema import ConfigError
 from depthmix.data import build_data
 from depthmix.data.corpus import iter_documents
@@ -203,7 +203,7 @@ def test_config_errors(tmp_path, data_cache, make_run, embedded, two_prefixes):
 def test_preflight_reads_the_document_count_megatron_reads(two_prefixes):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from depthmix.config.preflight import sequence_count
+    from depthmix.pretrain.preflight import sequence_count
 
     for prefix in two_prefixes:
         assert sequence_count(prefix) == len(IndexedDataset(prefix, mmap=True).sequence_lengths)

@@ -10,7 +10,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 
 from depthmix.config.load import compose_run
 from depthmix.config.schema import ConfigError
-from depthmix.config.preflight import preflight
+from depthmix.pretrain.preflight import preflight
 from depthmix.data import build_data
 from depthmix.data.corpus import iter_documents
 from depthmix.data.integrity import check_prefix

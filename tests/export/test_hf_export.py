@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from depthmix.config.fingerprint import record
+from depthmix.checkpoint.record import record
 from depthmix.data.tokenizer import HFTokenizer, train_bpe_tokenizer
 from depthmix.export.hf import main as export_main
 from depthmix.inference.generate import generate
@@ -40,7 +40,7 @@ def train_and_save(run, root, tokenizer):
     """One step of ``run``, then a checkpoint carrying ``tokenizer``. Collective."""
     from megatron.core import parallel_state
 
-    from depthmix.pretrain import checkpoint as ckpt
+    from depthmix.checkpoint import distributed as ckpt
     from depthmix.pretrain.trainer import Trainer
 
     run.train.save_dir, run.output_dir = root, os.path.dirname(root)

@@ -18,7 +18,7 @@ PROMPTS = ["Once upon a time", "The", "A little bird sat on the old"]
 def _command(name):
     script = os.path.join(os.path.dirname(sys.executable), name)
     return [script] if os.path.exists(script) else [sys.executable, "-m", {
-        "depthmix-train": "depthmix.pretrain.train",
+        "depthmix-train": "depthmix.cli.train",
         "depthmix-generate": "depthmix.inference.generate"}[name]]
 
 

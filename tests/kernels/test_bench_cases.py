@@ -23,7 +23,7 @@ from depthmix.kernels.dispatch import triton_status
 from depthmix.kernels.mhc import mhc_post_res_reference, mhc_read_reference, sinkhorn_reference
 from depthmix.kernels.moda_attention import moda_attention_reference
 from depthmix.megatron_ext.attention import causal_sdpa
-from depthmix.megatron_ext.mixers.mhc import MHCConfig
+from depthmix.mixers.mhc.model import MHCConfig
 
 OPS = ["depth_mix", "moda_attention", "attnres", "mhc"]
 FULL_T = {4096, 16384, 65536}

@@ -220,9 +220,9 @@ def test_bad_arguments_are_refused():
 
 
 def test_mixer_uses_the_kernel_for_impl_triton():
-    from depthmix.config.megatron import to_transformer_config
+    from depthmix.megatron_ext.config import to_transformer_config
     from depthmix.kernels.dispatch import select
-    from depthmix.megatron_ext.mixers.depth_attn import DepthAttention
+    from depthmix.mixers.depth_attn.model import DepthAttention
     from depthmix.testing import tiny_run
 
     assert select("depth_mix", "triton") is depth_mix_triton

@@ -88,7 +88,7 @@ def test_loaded_configs_hold_a_resolved_impl():
     """The two ways a run config comes to exist: composed from YAML at start-up, and
     rebuilt from a checkpoint's record (generation, evaluation, export). (Both resolve
     whatever the mixer; one with a kernel stands for all.)"""
-    from depthmix.config.fingerprint import record, run_from_record
+    from depthmix.checkpoint.record import record, run_from_record
     from depthmix.config.load import compose_run
     from depthmix.kernels.dispatch import RESOLVED
 

@@ -56,7 +56,7 @@ def test_impl_selects_the_kernel(megatron_single):
     """``mixer.impl`` picks the op once, at construction: every MoDA core attention of a
     ``triton`` model holds the fused kernel, of a ``torch`` model the reference."""
     from depthmix.kernels.moda_attention import moda_attention_reference, moda_attention_triton
-    from depthmix.megatron_ext.mixers.moda import MoDACoreAttention
+    from depthmix.mixers.moda.model import MoDACoreAttention
     from depthmix.testing import build_model
 
     for impl, expected in (("triton", moda_attention_triton), ("torch", moda_attention_reference)):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from depthmix.config.load import compose_run
-from depthmix.config.megatron import to_transformer_config
+from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.megatron_ext.model import DepthMixModel
 
 PRESETS = {  # name: (hidden, ffn, layers, heads, kv heads) from the papers' model tables

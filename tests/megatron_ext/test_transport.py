@@ -7,10 +7,10 @@ receiving rank already holds; and packing, caching and unpacking real tensors th
 import pytest
 import torch
 
-from depthmix.config.megatron import to_transformer_config
-from depthmix.megatron_ext.depth_state import STEM
-from depthmix.megatron_ext.layout import PipelineLayout
-from depthmix.megatron_ext.mixers import available
+from depthmix.megatron_ext.config import to_transformer_config
+from depthmix.planning.depth_plan import STEM
+from depthmix.planning.pipeline import PipelineLayout
+from depthmix.mixers import available
 from depthmix.megatron_ext.transport import DepthStateCache, DepthTransport, geometry_of
 from depthmix.testing import tiny_run
 

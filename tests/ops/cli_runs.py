@@ -106,7 +106,7 @@ def calls(tmp: str) -> list:
 
 def torchrun(nproc: int, args, cwd, env, timeout=300) -> Proc:
     return Proc([PYTHON, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={nproc}", "-m", "depthmix.pretrain.train", *args],
+                 f"--nproc-per-node={nproc}", "-m", "depthmix.cli.train", *args],
                 cwd=cwd, env=env, timeout=timeout)
 
 
@@ -118,7 +118,7 @@ def rank_processes(root_pid: int) -> dict:
     for proc in psutil.Process(root_pid).children(recursive=True):
         try:
             env = proc.environ()
-            if "depthmix.pretrain.train" in " ".join(proc.cmdline()) and "RANK" in env \
+            if "depthmix.cli.train" in " ".join(proc.cmdline()) and "RANK" in env \
                     and "TORCHELASTIC_RUN_ID" in env:
                 out[int(env["RANK"])] = proc
         except (psutil.NoSuchProcess, psutil.AccessDenied):

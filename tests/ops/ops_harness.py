@@ -128,8 +128,8 @@ def env_for_subprocess(**extra) -> dict:
 
 
 def run_cli(args, cwd, timeout=240, env=None) -> subprocess.CompletedProcess:
-    """``python -m depthmix.pretrain.train <args>`` in ``cwd``; output captured."""
-    return subprocess.run([PYTHON, "-m", "depthmix.pretrain.train", *args], cwd=cwd,
+    """``python -m depthmix.cli.train <args>`` in ``cwd``; output captured."""
+    return subprocess.run([PYTHON, "-m", "depthmix.cli.train", *args], cwd=cwd,
                           env=env or env_for_subprocess(), capture_output=True, text=True,
                           timeout=timeout)
 

@@ -8,8 +8,8 @@ from functools import lru_cache
 import pytest
 import torch
 
-from depthmix.pretrain import accounting as acc
-from depthmix.pretrain import memory
+from depthmix.planning import flops as acc
+from depthmix.planning import memory
 from depthmix.testing import build_model, tiny_run
 
 
@@ -46,7 +46,7 @@ def test_looped_model_counts_unrolled_layers():
 
 
 def test_mixer_hook_is_added(monkeypatch):
-    from depthmix.megatron_ext.mixers import base, get_mixer
+    from depthmix.mixers import base, get_mixer
 
     run = tiny_run()
     plain, plain_params = acc.flops_per_token(run), acc.total_params(run)
@@ -131,7 +131,7 @@ VARIANTS = {
 
 
 def test_every_mixer_has_variants():
-    from depthmix.megatron_ext.mixers import available
+    from depthmix.mixers import available
 
     assert {name for name, _, _ in VARIANTS.values()} == set(available())
 
@@ -153,7 +153,7 @@ def built(variant: str, mixer=None):
 def _stage_params(run, model, tp: int, pp: int, vp: int):
     """The built (TP=PP=1) model's parameters, grouped as a PP=pp, VP=vp layout places
     them, counted as one rank of TP=tp holds them (``tensor_model_parallel`` ones split)."""
-    from depthmix.megatron_ext.layout import PipelineLayout
+    from depthmix.planning.pipeline import PipelineLayout
 
     layout = PipelineLayout(run.model.num_layers, pp, vp)
     stage_of_layer = {i: layout.rank_of(c) for c in range(layout.num_chunks)
@@ -209,9 +209,9 @@ def test_parameter_count_matches_every_mixer(megatron_single, variant):
 def _record_depth_ops(model, monkeypatch):
     """Wrap the depth ops of Depth-Attention, AttnRes and DenseFormer; returns the list
     that collects each call's forward FLOPs per token, from the call's actual arguments."""
-    from depthmix.megatron_ext.mixers import denseformer
-    from depthmix.megatron_ext.mixers.attnres import PseudoQueryRead
-    from depthmix.megatron_ext.mixers.depth_attn import DepthAttention
+    from depthmix.mixers.denseformer import model as denseformer
+    from depthmix.mixers.attnres.model import PseudoQueryRead
+    from depthmix.mixers.depth_attn.model import DepthAttention
 
     calls = []
 
@@ -263,8 +263,8 @@ def _counted_per_token(model, run) -> float:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_mixer_flops_match_the_model(megatron_single, variant, monkeypatch):
-    from depthmix.config.megatron import to_transformer_config
-    from depthmix.megatron_ext.mixers.moda import MoDAGeometry
+    from depthmix.megatron_ext.config import to_transformer_config
+    from depthmix.mixers.moda.model import MoDAGeometry
 
     run = variant_run(variant)
     name, options, _ = VARIANTS[variant]
@@ -303,7 +303,7 @@ def test_mixer_flops_match_the_model(megatron_single, variant, monkeypatch):
 def test_every_mixer_adds_flops_and_params_at_3b():
     """The hooks are wired for every registered mixer (the 3b preset, no model built)."""
     from depthmix.config.load import compose_run
-    from depthmix.megatron_ext.mixers import available
+    from depthmix.mixers import available
 
     vanilla = acc.total_params(compose_run("model=3b"))
     for name in available():

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from depthmix.config.schema import ConfigError
-from depthmix.pretrain import checkpoint as ckpt
+from depthmix.checkpoint import distributed as ckpt
 from depthmix.pretrain.callbacks import CheckpointCallback
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData

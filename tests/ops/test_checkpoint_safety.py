@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from depthmix.config.schema import ConfigError
-from depthmix.pretrain import checkpoint as ckpt
-from depthmix.pretrain import integrity
+from depthmix.checkpoint import distributed as ckpt
+from depthmix.checkpoint import integrity
 from depthmix.pretrain.callbacks import CheckpointCallback
 from depthmix.pretrain.parallelize import unwrap
 from depthmix.pretrain.trainer import Trainer

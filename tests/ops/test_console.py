@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from depthmix.pretrain import run_log
+from depthmix.runtime import log as run_log
 from depthmix.pretrain.callbacks.summary import (
     directory_option,
     launch_command,
@@ -104,13 +104,13 @@ def test_megatron_info_is_hidden_unless_verbose():
 def test_launch_command_as_typed():
     assert launch_command(["/venv/bin/depthmix-train", "model=tiny", "hydra.output_subdir=null"],
                           env={}) == ["depthmix-train", "model=tiny"]
-    assert launch_command(["/repo/depthmix/pretrain/train.py", "model=tiny"], env={}) == \
-        ["python", "-m", "depthmix.pretrain.train", "model=tiny"]
+    assert launch_command(["/repo/depthmix/cli/train.py", "model=tiny"], env={}) == \
+        ["python", "-m", "depthmix.cli.train", "model=tiny"]
     agent = ["/venv/bin/python3", "/venv/bin/torchrun", "--nproc-per-node", "2", "-m",
-             "depthmix.pretrain.train", "parallel=pp2"]
-    assert launch_command(["/repo/depthmix/pretrain/train.py", "parallel=pp2"],
+             "depthmix.cli.train", "parallel=pp2"]
+    assert launch_command(["/repo/depthmix/cli/train.py", "parallel=pp2"],
                           env={"TORCHELASTIC_RUN_ID": "x"}, parent_cmdline=agent) == \
-        ["torchrun", "--nproc-per-node", "2", "-m", "depthmix.pretrain.train", "parallel=pp2"]
+        ["torchrun", "--nproc-per-node", "2", "-m", "depthmix.cli.train", "parallel=pp2"]
 
 
 def test_resume_command_names_the_directory(tmp_path):
@@ -132,7 +132,7 @@ def _hydra_dirs(*overrides):
     from hydra import compose, initialize_config_module
 
     from depthmix.config.store import register_configs
-    from depthmix.pretrain.launch_env import register_resolvers
+    from depthmix.runtime.env import register_resolvers
 
     register_configs()
     register_resolvers()

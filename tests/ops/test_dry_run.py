@@ -6,7 +6,7 @@ import io
 import pytest
 
 from depthmix.config.load import compose_run
-from depthmix.pretrain import dry_run
+from depthmix.planning import dry_run
 
 from cli_runs import base_env
 from ops_harness import run_cli

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from depthmix.pretrain import checkpoint as ckpt
+from depthmix.checkpoint import distributed as ckpt
 from depthmix.pretrain.callbacks import CheckpointCallback
 from depthmix.pretrain.health import HealthGuard, TrainingDiverged
 from depthmix.pretrain.trainer import Trainer

@@ -1,4 +1,4 @@
-"""The memory model (depthmix.pretrain.memory) against what real training steps hold, per
+"""The memory model (depthmix.planning.memory) against what real training steps hold, per
 rank: bytes saved for backward per micro-batch within 10%, parameter, gradient and
 optimizer-state bytes exact.
 
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from depthmix.pretrain import memory
+from depthmix.planning import memory
 from depthmix.testing import spawn, tiny_run
 
 from memory_probe import probe_runs

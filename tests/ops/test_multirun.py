@@ -47,7 +47,7 @@ def _compose(*overrides):
     from hydra import compose, initialize_config_module
 
     from depthmix.config.store import register_configs
-    from depthmix.pretrain.launch_env import register_resolvers
+    from depthmix.runtime.env import register_resolvers
 
     register_configs()
     register_resolvers()
@@ -65,7 +65,7 @@ def test_lr_sweep_file():
     ("attnres_num_blocks", "attnres_block", "mixer.num_blocks", "2,4,8,16"),
 ])
 def test_mixer_sweep_files(sweep, mixer, key, values):
-    from depthmix.megatron_ext.mixers import available
+    from depthmix.mixers import available
 
     if mixer not in available():
         pytest.skip(f"mixer {mixer} is not registered on this branch")

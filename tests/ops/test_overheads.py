@@ -4,8 +4,8 @@ against closed forms written here from each method's definition, at two presets.
 import pytest
 
 from depthmix.config.load import compose_run
-from depthmix.pretrain import accounting
-from depthmix.pretrain.overheads import main, overheads
+from depthmix.planning import flops as accounting
+from depthmix.planning.overheads import main, overheads
 
 PREFILL, E = 131072, 2  # tokens, bytes per element
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from depthmix.pretrain.checkpoint import latest_checkpoint, read_meta, step_dir
+from depthmix.checkpoint.distributed import latest_checkpoint, read_meta, step_dir
 
 from cli_runs import TINY, Proc, base_env, rank_processes, torchrun
 from ops_harness import PYTHON, REPO
@@ -65,7 +65,7 @@ def test_rerun_resumes_from_the_preemption_checkpoint(preempted):
     assert len(resume) == 1, first.text[-3000:]
     words = shlex.split(resume[0][len("resume: "):])
     assert words[:3] == ["python", "-m", "torch.distributed.run"], words
-    args = words[words.index("depthmix.pretrain.train") + 1:]
+    args = words[words.index("depthmix.cli.train") + 1:]
     assert args == [*preempted["args"], f"run.name=local/{preempted['runs'][0]}/tiny_vanilla"]
     second = torchrun(2, [*args, "train.exit_after_steps=2"], tmp, preempted["env"],
                       timeout=300)

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from depthmix.pretrain.checkpoint import latest_checkpoint, list_checkpoints, read_meta, step_dir
+from depthmix.checkpoint.distributed import latest_checkpoint, list_checkpoints, read_meta, step_dir
 
 from ops_harness import make_run, spawn, train
 
@@ -172,7 +172,7 @@ def test_checkpoint_directory_layout(results):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
 def test_memory_estimate_counts_each_ranks_parameters(results, layout):
-    from depthmix.pretrain.memory import estimate
+    from depthmix.planning.memory import estimate
 
     per_stage = estimate(make_run(**LAYOUTS_2[layout]), world_size=2)
     for per_rank in results["world2"]:

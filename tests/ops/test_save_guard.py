@@ -13,11 +13,11 @@ import uuid
 import pytest
 
 from depthmix.config.schema import ConfigError
-from depthmix.pretrain import checkpoint as ckpt
-from depthmix.pretrain import save_guard
+from depthmix.checkpoint import distributed as ckpt
+from depthmix.checkpoint import guard as save_guard
 from depthmix.pretrain.callbacks import CheckpointCallback, PreemptionCallback
 from depthmix.pretrain.callbacks.base import Callback
-from depthmix.pretrain.save_guard import SaveError, SaveLock
+from depthmix.checkpoint.guard import SaveError, SaveLock
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
 
@@ -150,7 +150,7 @@ def test_unwritable_save_dir_is_refused_at_start_up(megatron_single, tmp_path):
 # The lock
 # ---------------------------------------------------------------------------------------
 
-HOLD = ("import sys, time; from depthmix.pretrain.save_guard import SaveLock; "
+HOLD = ("import sys, time; from depthmix.checkpoint.guard import SaveLock; "
         "SaveLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(120)")
 
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from depthmix.pretrain import depth_stats, heatmap, launch_env
+from depthmix.pretrain import depth_stats, heatmap
 
 
+from depthmix.runtime import env as launch_env
 def test_run_key_is_shared_by_the_ranks_of_one_job():
     assert launch_env.run_key({"DEPTHMIX_RUN_KEY": "abc", "SLURM_JOB_ID": "7"}) == "abc"
     assert launch_env.run_key({"SLURM_JOB_ID": "7"}) == "slurm-7"  # the batch step
@@ -114,7 +115,7 @@ def _fake_trainer(logging_rank: bool):
 
     run = tiny_run()
     run.train.log_interval, run.train.steps = 2, 10
-    from depthmix.pretrain.accounting import ThroughputMeter
+    from depthmix.planning.flops import ThroughputMeter
 
     trainer = types.SimpleNamespace(
         run=run, config=None, step=0, meter=ThroughputMeter(6e9, 10.0, 1000, world_size=2),

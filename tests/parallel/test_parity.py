@@ -13,7 +13,7 @@ with norm 1e-5, already differs by 1e-4 between fp32 and fp64 on one rank.)
 import pytest
 import torch
 
-from depthmix.megatron_ext.mixers import available
+from depthmix.mixers import available
 from depthmix.testing import assert_same_training, run_layouts, tiny_run
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -90,8 +90,8 @@ def test_layout_matches_single_rank(mixer, layout, reference, layout_results):
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_bytes_sent_follow_the_plan(mixer, layout, layout_results):
     """Payload bytes each chunk packed = the transport's per-transition formula."""
-    from depthmix.config.megatron import to_transformer_config
-    from depthmix.megatron_ext.layout import PipelineLayout
+    from depthmix.megatron_ext.config import to_transformer_config
+    from depthmix.planning.pipeline import PipelineLayout
     from depthmix.megatron_ext.transport import geometry_of
 
     world, parallel = LAYOUTS[layout]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from depthmix.config.schema import ConfigError
-from depthmix.megatron_ext.mixers import available
+from depthmix.mixers import available
 from depthmix.testing import assert_same_training, run_layouts, tiny_run
 
 MIXERS = ["vanilla", *sorted(set(available()) - {"vanilla"})]
@@ -151,7 +151,7 @@ def test_parity_parallel_layouts(layout):
 
 
 def test_refusals_name_the_option(monkeypatch):
-    from depthmix.config import preflight
+    from depthmix.pretrain import preflight
 
     run = tiny_run("mhc", impl="triton")  # the kernels are custom ops: accepted
     run.train.compile = "true"

@@ -24,7 +24,7 @@ def clean_env(**extra) -> dict:
 
 
 def train(tmp_path, *overrides, timeout=600):
-    cmd = [sys.executable, "-m", "depthmix.pretrain.train", "logger=none",
+    cmd = [sys.executable, "-m", "depthmix.cli.train", "logger=none",
            f"hydra.run.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -45,10 +45,10 @@ def test_every_mixer_learns_in_one_multirun(tmp_path):
     """`depthmix-train -m mixer=a,b,...`: each mixer trains the tiny model (6 layers, so
     Block AttnRes' default 12-sublayer block fits) with its loss falling, each job in its
     own output directory."""
-    from depthmix.megatron_ext.mixers import available
+    from depthmix.mixers import available
 
     mixers = available()
-    cmd = [sys.executable, "-m", "depthmix.pretrain.train", "-m", "logger=none",
+    cmd = [sys.executable, "-m", "depthmix.cli.train", "-m", "logger=none",
            f"hydra.sweep.dir={tmp_path}/sweep", f"data.cache_dir={tmp_path}/cache",
            "model=tiny", "model.num_layers=6", f"mixer={','.join(mixers)}", "train.steps=30",
            "train.log_interval=30",

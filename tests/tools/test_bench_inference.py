@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from depthmix.megatron_ext.mixers import available
-from depthmix.megatron_ext.mixers.attnres import AttnResGeometry
+from depthmix.mixers import available
+from depthmix.mixers.attnres.model import AttnResGeometry
 
 TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench_inference.py")
 

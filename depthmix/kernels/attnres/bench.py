@@ -53,7 +53,7 @@ class Shape(NamedTuple):
 
 def num_sources(block_size: int, num_layers: int = NUM_LAYERS) -> int:
     """Sources of the middle read (Full, ``block_size = 1``) or of the largest read (Block)."""
-    from depthmix.megatron_ext.mixers.attnres import AttnResGeometry
+    from depthmix.mixers.attnres.model import AttnResGeometry
 
     geo = AttnResGeometry(2 * num_layers, block_size)
     if block_size == 1:

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from depthmix.config.mixers.mhc import VARIANTS, coefficient_width  # noqa: F401  (re-exported)
+from depthmix.mixers.mhc import VARIANTS, coefficient_width  # noqa: F401  (re-exported)
 
 
 def _acc(t: Tensor) -> Tensor:

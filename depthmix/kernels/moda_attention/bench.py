@@ -61,7 +61,7 @@ class Shape(NamedTuple):
 
 def depth_entries(num_layers: int = NUM_LAYERS) -> int:
     """Depth entries the middle layer reads under the default ``mixer=moda`` options."""
-    from depthmix.megatron_ext.mixers.moda import MoDAGeometry
+    from depthmix.mixers.moda.model import MoDAGeometry
 
     geo = MoDAGeometry(num_layers, 1, ffn_kv_proj=True, depth_window=None)
     return len(geo.visible(num_layers // 2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from depthmix.pretrain import save_guard
+from depthmix.checkpoint import guard as save_guard
 from depthmix.pretrain.callbacks.base import Callback
 
 log = logging.getLogger("depthmix")
@@ -14,7 +14,7 @@ log = logging.getLogger("depthmix")
 class CheckpointCallback(Callback):
     """Save every ``train.save_interval`` steps, at the end and when stopped, into the run's
     save directory (``trainer.state.save_dir``; which checkpoint a run resumes from is the
-    trainer's: :func:`depthmix.pretrain.checkpoint.resume_point`).
+    trainer's: :func:`depthmix.checkpoint.distributed.resume_point`).
 
     Put it **last** in the callback list (before :class:`PreemptionCallback`): its
     ``post_step`` then saves the state after the other callbacks acted on the step, so a

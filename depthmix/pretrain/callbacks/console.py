@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from depthmix.pretrain import run_log
+from depthmix.runtime import log as run_log
 from depthmix.pretrain.callbacks.base import Callback
 
 
@@ -30,7 +30,7 @@ class ConsoleLogger(Callback):
             self._emit(trainer, line)
 
     def post_step(self, trainer, result) -> None:
-        from depthmix.pretrain.accounting import memory_stats
+        from depthmix.planning.flops import memory_stats
 
         t, perf = trainer.run.train, result.perf
         if perf is None or not trainer.topo.is_logging_rank:  # not a log step

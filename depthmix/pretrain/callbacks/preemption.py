@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from depthmix.pretrain.callbacks.base import Callback
-from depthmix.pretrain.run_log import say
+from depthmix.runtime.log import say
 
 log = logging.getLogger("depthmix")
 
@@ -55,7 +55,7 @@ class PreemptionCallback(Callback):
         # print, not log: logging from a signal handler can deadlock on its lock
         if signum == signal.SIGINT and self.received is not None:
             os.write(2, b"[depthmix] second SIGINT: aborting without saving (exit 130)\n")
-            from depthmix.pretrain import save_guard
+            from depthmix.checkpoint import guard as save_guard
 
             save_guard.release_all()  # forked helpers die with us (save_guard)
             os._exit(ABORT_STATUS)

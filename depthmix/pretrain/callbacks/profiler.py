@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from depthmix.pretrain.callbacks.base import Callback
-from depthmix.pretrain.run_log import say
+from depthmix.runtime.log import say
 
 log = logging.getLogger("depthmix")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from depthmix.pretrain import run_log
+from depthmix.runtime import log as run_log
 from depthmix.pretrain.callbacks.base import Callback
 
 

@@ -18,7 +18,7 @@ import time
 from typing import List, Mapping, Optional, Sequence
 
 from depthmix.pretrain.callbacks.base import Callback
-from depthmix.pretrain.run_log import say, short_path
+from depthmix.runtime.log import say, short_path
 
 # added by depthmix-train itself on ranks other than 0, never typed by the user
 _INTERNAL = ("hydra.output_subdir=", "hydra/hydra_logging=", "hydra/job_logging=")
@@ -43,7 +43,7 @@ def _wall(seconds: float) -> str:
 def launch_command(argv: Sequence[str] = sys.argv, env: Mapping[str, str] = os.environ,
                    parent_cmdline: Optional[List[str]] = None) -> List[str]:
     """The command that started this run, as the user would type it: under torchrun the
-    agent's command line, else ``depthmix-train`` / ``python -m depthmix.pretrain.train``
+    agent's command line, else ``depthmix-train`` / ``python -m depthmix.cli.train``
     with this process's arguments."""
     if "TORCHELASTIC_RUN_ID" in env:
         if parent_cmdline is None:
@@ -62,7 +62,7 @@ def launch_command(argv: Sequence[str] = sys.argv, env: Mapping[str, str] = os.e
             return cmd
     program = os.path.basename(argv[0]) if argv else "depthmix-train"
     head = ["depthmix-train"] if program.startswith("depthmix-train") else \
-        ["python", "-m", "depthmix.pretrain.train"]
+        ["python", "-m", "depthmix.cli.train"]
     return head + [a for a in argv[1:] if not a.startswith(_INTERNAL)]
 
 
@@ -130,7 +130,7 @@ class RunSummary(Callback):
         return "run stopped (train.exit_after_steps)"
 
     def lines(self, trainer) -> List[str]:
-        from depthmix.pretrain import checkpoint as ckpt
+        from depthmix.checkpoint import distributed as ckpt
 
         run, t = trainer.run, trainer.run.train
         head = f"{self._ending(trainer)} at step {trainer.step}/{t.steps}"

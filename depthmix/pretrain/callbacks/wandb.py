@@ -27,7 +27,7 @@ import secrets
 import string
 
 from depthmix.pretrain.callbacks.base import Callback
-from depthmix.pretrain.run_log import say, short_path
+from depthmix.runtime.log import say, short_path
 from depthmix.pretrain.state import RUN_ID_FILE, write_run_id  # noqa: F401  (RUN_ID_FILE re-exported)
 
 log = logging.getLogger("depthmix")
@@ -77,7 +77,7 @@ class WandbLogger(Callback):
         import wandb
 
         from depthmix.config.load import to_container
-        from depthmix.pretrain.accounting import flops_per_token
+        from depthmix.planning.flops import flops_per_token
 
         run, lg, topo = trainer.run, trainer.run.logger, trainer.topo
         state = trainer.state
@@ -105,7 +105,7 @@ class WandbLogger(Callback):
 
     # ---- events -------------------------------------------------------------------------
     def post_step(self, trainer, result) -> None:
-        from depthmix.pretrain.accounting import memory_stats
+        from depthmix.planning.flops import memory_stats
 
         lg = trainer.run.logger
         if lg.depth_stats_interval and trainer.step % lg.depth_stats_interval == 0:

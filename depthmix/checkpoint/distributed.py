@@ -1,0 +1,459 @@
+"""Distributed checkpoints: write, then publish; find the latest; load (also into another layout).
+
+Layout of ``train.save_dir``::
+
+    latest_checkpointed_iteration.txt   the step of the newest complete checkpoint (tracker)
+    iter_0000500/                       one Megatron distributed checkpoint (torch_dist)
+        depthmix.json                   written last: step, layout, format, model record,
+                                        health mark, size/checksum of every other file;
+                                        marks it complete
+        tokenizer.json                  the run's tokenizer (when it has a file)
+        common.pt, metadata.json, *.distcp, ...
+    wandb_run_id.txt                    the W&B run this directory's training logs to
+
+**Write, then publish.** Every rank writes its shards into ``.tmp_iter_0000500``; after a
+barrier rank 0 writes ``depthmix.json``, renames the directory to ``iter_0000500`` and then
+replaces the tracker atomically (write ``tracker.tmp``, fsync, ``os.replace``). A crash at
+any point leaves the previous tracker pointing at a complete checkpoint; leftovers
+(``.tmp_*``, ``.trash_*``) are ignored and removed by the next save. Old checkpoints beyond
+``train.keep_last`` are renamed to ``.trash_*`` before deletion, so a half-deleted
+directory never looks like a checkpoint; the newest *healthy* checkpoint (saved after a
+finite step, see ``health.py``) is never pruned.
+
+A checkpoint's health mark (``health`` in ``depthmix.json``) is written at save (the last
+step's loss and gradient norm were finite) and settled by the next step: ``confirmed``
+when it is finite, demoted to unhealthy when it is not (its weights gave NaN/inf).
+Retention keeps the newest healthy and the newest confirmed checkpoint.
+
+**Which checkpoint a resume uses** (:func:`resume_candidates`, :func:`first_intact`): the
+tracker's step (a missing or unreadable tracker: the newest complete ``iter_*``, with a
+warning), preferring the newest healthy checkpoint at or below it; one whose files do not
+match their recorded sizes/checksums is skipped for the previous one, with a warning. The
+checkpoint's model record must match the run (:func:`check_record`), else the start is
+refused before the model is built (:func:`preflight_checkpoint`), unless
+``train.load_weights_only=true``.
+
+**Contents.** Model chunks (``model`` or ``model0``, ``model1``, ... with virtual stages;
+tensor keys use global layer indices, so any TP/PP layout can load them), the optimizer
+(Adam moments, fp32 main params, the fp16 loss scaler; distributed-optimizer state in the
+``train.ckpt_optim_format`` layout), the LR scheduler, ``step`` and
+``consumed_train_samples`` (the data position), and every rank's RNG states (Python, NumPy,
+torch, CUDA and Megatron's model-parallel tracker), restored only when the layout is
+unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
+
+from depthmix.checkpoint.record import mismatches, record
+from depthmix.config.schema import ConfigError
+from depthmix.config.validate import CKPT_OPTIM_FORMATS
+from depthmix.checkpoint import integrity, guard as save_guard
+from depthmix.pretrain.state import TrainState
+from depthmix.checkpoint.store import (  # noqa: F401  (re-exported)
+    TRACKER,
+    META,
+    TOKENIZER,
+    FORMAT_VERSION,
+    step_dir,
+    is_complete,
+    read_meta,
+    latest_checkpoint,
+    list_checkpoints,
+    _meta_or_none,
+    is_healthy,
+    newest_healthy,
+    set_health,
+    resume_candidates,
+    resume_source,
+    default_save_dir,
+    check_record,
+    preflight_checkpoint,
+    _fsync_dir,
+    _write_atomic,
+    _remove,
+)
+
+log = logging.getLogger("depthmix")
+
+OPTIM_FORMATS = CKPT_OPTIM_FORMATS
+
+
+def first_intact(candidates: list, mode: str) -> Optional[str]:
+    """Collective: the first of ``candidates`` whose files match the sizes/checksums
+    recorded at save (``train.ckpt_integrity``); damaged ones are skipped with a warning."""
+    for i, path in enumerate(candidates):
+        problems = integrity.verify(path, read_meta(path).get("files"), mode)
+        if not problems:
+            return path
+        log.warning("checkpoint %s is damaged (%s)%s", path, "; ".join(problems[:4]),
+                    f"; trying {candidates[i + 1]}" if i + 1 < len(candidates) else "")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# What goes into a checkpoint
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    vp: int
+    dp: int
+    distributed_optimizer: bool
+
+    @classmethod
+    def of(cls, topo, run) -> "Layout":
+        return cls(topo.tp, topo.pp, topo.vp, topo.dp, run.parallel.distributed_optimizer)
+
+    def model_parallel(self) -> tuple:
+        return self.tp, self.pp, self.vp
+
+
+def rng_state() -> dict:
+    """Every random generator this rank uses. On CPU, "CUDA" is the CPU generator."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(topo, state) -> ShardedObject:
+    """One object per rank, addressed by its (pp, tp, dp) coordinates."""
+    return ShardedObject("rng_state", state, (topo.pp, topo.tp, topo.dp),
+                         (topo.pp_rank, topo.tp_rank, topo.dp_rank), replica_id=0)
+
+
+def _distributed_optimizers(optimizer) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in inner if isinstance(o, DistributedOptimizer)]
+
+
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def sharded_state_dict(model, optimizer, scheduler, topo, position: tuple, is_loading: bool,
+                       rng: bool = True, optim_format: str = "dp_reshardable") -> dict:
+    """Model chunks, optimizer and scheduler (when ``optimizer`` is given), RNG states and
+    the data ``position`` (step, consumed samples) as Megatron sharded tensors/objects."""
+    state = {}
+    for i, chunk in enumerate(model):
+        state[_model_key(i, len(model))] = chunk.module.sharded_state_dict()
+    if optimizer is not None:
+        metadata = {"distrib_optim_sharding_type": optim_format}
+        if is_loading:
+            # the distributed optimizer's state tensors must exist to be loaded into
+            for opt in _distributed_optimizers(optimizer):
+                opt._init_optimizer_states_with_dummy_values()
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=metadata)
+        state["scheduler"] = scheduler.state_dict()
+    if rng:
+        state["rng_state"] = _rng_sharded_object(topo, None if is_loading else rng_state())
+    step, consumed = position
+    state["trainer"] = {"step": step, "consumed_train_samples": consumed}
+    return state
+
+
+def _save_strategy(fully_parallel: bool):
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    strategy = get_default_save_sharded_strategy()
+    if fully_parallel and parallel_state.get_data_parallel_world_size() > 1:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return strategy
+
+
+def _load_strategy(path: str, fully_parallel: bool):
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+
+    strategy = get_default_load_sharded_strategy(path)
+    if fully_parallel and parallel_state.get_data_parallel_world_size() > 1:
+        strategy = FullyParallelLoadStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return strategy
+
+
+# ---------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------
+
+
+@save_guard.guarded  # room before, clean failure after: see save_guard
+def save(root: str, *, run, model, optimizer, scheduler, topo, state: TrainState,
+         keep_last: int = 2, estimate: Optional[int] = None, health: Optional[dict] = None,
+         tokenizer: Optional[str] = None, extra_meta: Optional[dict] = None) -> str:
+    """Collective: write the checkpoint of ``state.step`` and publish it. Returns its path.
+
+    ``estimate``: the expected size in bytes (room is made for it before writing);
+    ``health``: the health record (:meth:`HealthGuard.mark`, default healthy);
+    ``tokenizer``: the run's tokenizer file, copied in."""
+    t = run.train
+    step = state.step
+    final = step_dir(root, step)
+    tmp = os.path.join(root, f".tmp_iter_{step:07d}")
+    rank = dist.get_rank()
+    start = time.perf_counter()
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of an interrupted save or prune
+            if name.startswith((".tmp_iter_", ".trash_")):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+
+    sharded = sharded_state_dict(model, optimizer, scheduler, topo,
+                                 (step, state.consumed_samples), is_loading=False,
+                                 optim_format=t.ckpt_optim_format)
+    dist_checkpointing.save(sharded, tmp, sharded_strategy=_save_strategy(t.ckpt_fully_parallel))
+    dist.barrier()
+    if rank == 0 and tokenizer and os.path.isfile(tokenizer):
+        # travels with the weights, so evaluation, generation and export need only the checkpoint
+        shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER))
+    files = integrity.manifest(tmp, t.ckpt_integrity, exclude=(META,))  # collective
+
+    if rank == 0:
+        layout = Layout.of(topo, run)
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "consumed_train_samples": state.consumed_samples,
+            "layout": layout.__dict__,
+            "optim_format": t.ckpt_optim_format,
+            "world_size": dist.get_world_size(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "record": record(run),
+            "health": health if health is not None else {"healthy": True},
+            "integrity": t.ckpt_integrity,
+            "files": files,
+            **(extra_meta or {}),
+        }
+        _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=2))
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # the same step saved before (e.g. a re-run): replace it
+            _remove(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(os.path.join(root, TRACKER), str(step))
+        # never pruned: the run can always go back to a good state
+        keep = (newest_healthy(root), newest_healthy(root, confirmed=True))
+        for old_step, path in list_checkpoints(root)[:-keep_last or None] if keep_last > 0 else []:
+            if old_step != step and path not in keep:
+                _remove(path)
+    dist.barrier()
+    log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
+    return final
+
+
+# ---------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Loaded:
+    """What :func:`load` restored: the checkpoint's metadata, and its data position (step,
+    consumed samples) unless only weights were loaded."""
+
+    path: str
+    meta: dict
+    weights_only: bool
+    step: Optional[int] = None
+    consumed_samples: Optional[int] = None
+
+
+def load(path: str, *, run, model, topo, optimizer=None, scheduler=None,
+         weights_only: bool = False) -> Loaded:
+    """Collective: load the checkpoint directory ``path`` into ``model`` (and ``optimizer``,
+    ``scheduler``).
+
+    Weights always; optimizer, scheduler and data position unless ``weights_only`` (or no
+    optimizer: evaluation); RNG states only when the (TP, PP, VP, DP) layout is the one the
+    checkpoint was saved with.
+    """
+    t = run.train
+    meta = read_meta(path)
+    load_optimizer = not weights_only and optimizer is not None
+    saved = Layout(**meta["layout"])
+    now = Layout.of(topo, run)
+    same_layout = saved == now
+    optim_format = meta.get("optim_format", "dp_reshardable")
+    if load_optimizer and saved.distributed_optimizer != now.distributed_optimizer:
+        raise ConfigError(
+            f"checkpoint {path} was saved with parallel.distributed_optimizer="
+            f"{saved.distributed_optimizer}; resuming with {now.distributed_optimizer} needs "
+            "train.load_weights_only=true")
+    if (load_optimizer and now.distributed_optimizer and optim_format == "dp_reshardable"
+            and saved.model_parallel() != now.model_parallel()):
+        raise ConfigError(
+            f"checkpoint {path} holds distributed-optimizer state in the dp_reshardable format, "
+            f"which cannot move from tp/pp/vp={saved.model_parallel()} to "
+            f"{now.model_parallel()}: save it with train.ckpt_optim_format=fully_reshardable, "
+            "or load weights only with train.load_weights_only=true")
+
+    start = time.perf_counter()
+    sharded = sharded_state_dict(model, optimizer if load_optimizer else None, scheduler, topo,
+                                 (0, 0), is_loading=True, rng=same_layout and load_optimizer,
+                                 optim_format=optim_format)
+    with torch.no_grad():
+        strategy = _load_strategy(path, t.ckpt_fully_parallel)
+        try:
+            loaded = dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
+            for i, chunk in enumerate(model):
+                chunk.module.load_state_dict(loaded[_model_key(i, len(model))], strict=True)
+        except (KeyError, RuntimeError, CheckpointingException, CheckpointException) as e:
+            raise _weights_do_not_fit(path, meta, run, e) from e
+        if load_optimizer:
+            # each param group carries its own peak/floor LR, which the scheduler prefers
+            # to its own: keep the config's (else a resume with a new train.lr ignores it)
+            lrs = [(g.get("max_lr"), g.get("min_lr")) for g in optimizer.param_groups]
+            with _keep_adam_steps(optimizer, optim_format):
+                optimizer.load_state_dict(loaded["optimizer"])
+            _restore_adam_steps(optimizer)
+            for group, (max_lr, min_lr) in zip(optimizer.param_groups, lrs):
+                if max_lr is not None:
+                    group["max_lr"], group["min_lr"] = max_lr, min_lr
+        elif optimizer is not None:
+            optimizer.reload_model_params()
+    result = Loaded(path, meta, weights_only=not load_optimizer)
+    if load_optimizer:
+        _load_scheduler(scheduler, loaded["scheduler"])
+        result.step = int(loaded["trainer"]["step"])
+        result.consumed_samples = int(loaded["trainer"]["consumed_train_samples"])
+        if same_layout:
+            set_rng_state(loaded["rng_state"])
+        else:
+            log.warning("layout changed from %s to %s: RNG states not restored (each rank "
+                        "keeps its seeded generators)", saved, now)
+    dist.barrier()
+    log.info("loaded checkpoint %s (step %d%s) in %.2f s", path, meta["step"],
+             "" if load_optimizer else ", weights only", time.perf_counter() - start)
+    return result
+
+
+def resume_point(run, save_dir: str) -> Optional[tuple]:
+    """Collective: the checkpoint a run starts from, as ``(path, weights_only)``, or None:
+    the newest healthy checkpoint with intact files where :func:`resume_source` points;
+    its model record must match the run."""
+    source = resume_source(run, save_dir)
+    if source is None:
+        return None
+    candidates, weights_only, option = source
+    path = first_intact(candidates, run.train.ckpt_integrity)
+    if path is None:
+        raise RuntimeError(f"every checkpoint to resume from is damaged: "
+                           f"{', '.join(candidates)} (see the warnings above)")
+    check_record(path, run, weights_only, option)
+    return path, weights_only
+
+
+def _weights_do_not_fit(path: str, meta: dict, run, error: BaseException) -> ConfigError:
+    diffs = mismatches(meta["record"], run) if "record" in meta else []
+    first = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    return ConfigError(
+        f"the weights of {path} do not fit this model ("
+        + ("differing options: " + "; ".join(diffs) if diffs else
+           "no recorded model option differs") + f"): {first}")
+
+
+@contextlib.contextmanager
+def _keep_adam_steps(optimizer, optim_format: str):
+    """Work around Megatron 0.16.1's fully_reshardable loader with torch's Adam (no
+    TE/Apex): it copies every per-param state entry, ``step`` included, from checkpoint
+    tensors that never contain ``step`` (KeyError 'step'). While loading, hand it each
+    param's current ``step`` (already set from the param groups) to copy onto itself."""
+    patched = []
+    if optim_format == "fully_reshardable":
+        for opt in _distributed_optimizers(optimizer):
+            original = opt._set_main_param_and_optimizer_states
+
+            def with_step(model_param, tensors, opt=opt, original=original):
+                if "step" not in tensors:
+                    group, order = opt.model_param_group_index_map[model_param]
+                    main = opt.optimizer.param_groups[group]["params"][order]
+                    step = opt.optimizer.state.get(main, {}).get("step")
+                    if step is not None:
+                        tensors = {**tensors, "step": step}
+                return original(model_param, tensors)
+
+            opt._set_main_param_and_optimizer_states = with_step
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Distributed optimizer with torch's Adam: the loaded per-group ``step`` must reach
+    each param's state, or Adam's bias correction restarts from step 1."""
+    for opt in _distributed_optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            if group.get("step") is None:
+                continue
+            for p in group["params"]:
+                st = opt.optimizer.state.get(p)
+                if st is None or "exp_avg" not in st:
+                    continue
+                old = st.get("step")
+                st["step"] = (torch.full_like(old, float(group["step"])) if torch.is_tensor(old)
+                              else torch.tensor(float(group["step"]), dtype=torch.float32))
+
+
+def _load_scheduler(scheduler, saved: dict) -> None:
+    """The schedule's *position* comes from the checkpoint; its shape (peak LR, warmup,
+    decay steps) from the current config, with a warning for every difference."""
+    current = scheduler.state_dict()
+    changed = {k: (saved[k], v) for k, v in current.items()
+               if k != "num_steps" and k in saved and saved[k] != v}
+    if changed:
+        log.warning("LR schedule differs from the checkpoint's; using the config's: %s",
+                    ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()))
+    scheduler.override_opt_param_scheduler = True
+    scheduler.num_steps = 0  # load_state_dict *adds* the saved position (a rollback reloads)
+    try:
+        scheduler.load_state_dict(saved)
+    finally:
+        scheduler.override_opt_param_scheduler = False

@@ -1,0 +1,81 @@
+"""What a checkpoint is: the model record written beside every checkpoint.
+
+``record(run)`` is stored in each checkpoint's ``depthmix.json``. It serves two readers:
+
+* resume / fine-tune checks: :func:`mismatches` lists, per option, where the current run
+  differs from the checkpoint in anything that must match to load it (architecture, mixer
+  and its options, vocabulary, sequence length, precision);
+* evaluation, generation and export: :func:`run_from_record` rebuilds the model and mixer
+  configuration from the checkpoint alone, so those commands need no ``model=``/``mixer=``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Dict, List
+
+from depthmix.config.schema import ModelConfig, RunConfig
+
+RECORD_VERSION = 1
+
+MODEL_FIELDS_FREE = ("name", "init_std")
+"""Model options that may differ between a checkpoint and the run that loads it (a preset's
+name is a label; the init std only matters before the first step)."""
+MIXER_FIELDS_FREE = ("impl", "two_phase")
+"""Mixer options that do not change the computation (a kernel choice, Block AttnRes'
+two-phase inference reads)."""
+
+
+def record(run: RunConfig) -> Dict[str, Any]:
+    """The model/mixer configuration of ``run`` as plain JSON values (tuples become lists,
+    as they do in the saved file, so a fresh record compares equal to a loaded one)."""
+    return json.loads(json.dumps({
+        "version": RECORD_VERSION,
+        "model": dataclasses.asdict(run.model),
+        "mixer": dataclasses.asdict(run.mixer),
+        "precision": run.train.precision,
+    }))
+
+
+def fingerprint(rec: Dict[str, Any]) -> Dict[str, Any]:
+    """Flat ``option -> value`` of everything that must match to load weights."""
+    out = {f"model.{k}": v for k, v in rec["model"].items() if k not in MODEL_FIELDS_FREE}
+    out.update({f"mixer.{k}": v for k, v in rec["mixer"].items() if k not in MIXER_FIELDS_FREE})
+    out["train.precision"] = rec["precision"]
+    return out
+
+
+def mismatches(saved: Dict[str, Any], run: RunConfig, ignore=("train.precision",)) -> List[str]:
+    """One line per option whose value in ``run`` differs from the checkpoint record
+    ``saved`` (``option: checkpoint X, this run Y``). ``ignore``: options allowed to differ
+    (precision by default: loading fp32 weights into bf16 compute is legitimate; the
+    trainer adds it back when the optimizer state is loaded too)."""
+    a, b = fingerprint(saved), fingerprint(record(run))
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key in ignore:
+            continue
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            out.append(f"{key}: checkpoint {a.get(key, '<absent>')!r}, "
+                       f"this run {b.get(key, '<absent>')!r}")
+    return out
+
+
+def run_from_record(rec: Dict[str, Any], **mixer_overrides) -> RunConfig:
+    """A :class:`RunConfig` with the checkpoint's model, mixer and precision (everything
+    else default: single rank, TP=PP=1). ``mixer_overrides`` e.g. ``impl="torch"``."""
+    from depthmix.kernels.dispatch import resolve_impl
+    from depthmix.mixers import get_mixer
+
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    run = RunConfig(model=ModelConfig(**{k: v for k, v in rec["model"].items() if k in known}))
+    mixer = get_mixer(rec["mixer"]["name"])
+    fields = {f.name for f in dataclasses.fields(mixer.config_cls)}
+    options = {k: v for k, v in rec["mixer"].items() if k in fields}
+    options.update(mixer_overrides)
+    run.mixer = mixer.config_cls(**options)
+    run.mixer.resolve(run.model)
+    run.mixer.impl, _ = resolve_impl(run.mixer.impl)
+    run.train.precision = rec["precision"]
+    return run

@@ -1,0 +1,184 @@
+"""What every mixer provides: a config dataclass, a depth plan, cost hooks and a model spec.
+
+Everything here, and in the per-method modules beside it, imports without Megatron (the
+dry run and ``--help`` use it); the model code lives in ``depthmix.mixers``
+and is imported when a model is built (:func:`model_spec_in`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Dict, List, Optional, Tuple
+
+from depthmix.config.schema import ConfigError
+from depthmix.config.validate import check_choice
+from depthmix.planning.depth_plan import HIDDEN, STEM, Entry
+
+IMPLS = ("auto", "torch", "triton")
+
+
+@dataclass
+class MixerConfig:
+    """Options shared by every mixer (``configs/mixer/<name>.yaml`` extends these)."""
+
+    CHOICES: ClassVar[Dict[str, Tuple[str, ...]]] = {"impl": IMPLS}
+    """Allowed values of this config's string options (checked by :meth:`validate`)."""
+
+    name: str = "vanilla"
+    """The method (set by ``mixer=<name>``)."""
+    impl: str = "auto"
+    """Kernel choice: ``torch``, ``triton`` or ``auto`` (Triton when CUDA and Triton are
+    usable). Resolved once at start-up and logged; never switched mid-run."""
+    short_swa_window: int = 0
+    """Sequence-axis ShortSWA sublayer before attention with this window (0 = off)."""
+
+    def resolve(self, model) -> None:
+        """Fill defaults that depend on the model preset (e.g. a stride)."""
+
+    def validate(self, model, parallel) -> None:
+        """Raise :class:`ConfigError` naming the option if this mixer cannot run."""
+        for option, allowed in self.CHOICES.items():
+            check_choice(f"mixer.{option}", getattr(self, option), allowed)
+        if self.short_swa_window < 0:
+            raise ConfigError(f"mixer.short_swa_window={self.short_swa_window} must be >= 0")
+
+
+@dataclass(frozen=True)
+class ExtraParams:
+    """Parameters a mixer adds to the vanilla model (on one TP rank, see ``Mixer.extra_params``)."""
+
+    layers: Tuple[int, ...] = ()
+    """One count per *stored* layer (``config.num_layers`` of them, 0-based; the pipeline
+    layout puts stored layer ``i`` on its stage; a looped model's stored layer holds what
+    all its loops use). Empty: no per-layer parameters."""
+    stem: int = 0
+    """Next to the embedding (the first pipeline stage)."""
+    head: int = 0
+    """Next to the final norm and output layer (the last pipeline stage)."""
+
+    def layer(self, i: int) -> int:
+        return self.layers[i] if self.layers else 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.layers) + self.stem + self.head
+
+
+NO_EXTRA_PARAMS = ExtraParams()
+
+
+@dataclass(frozen=True)
+class SavedActivations:
+    """What a mixer saves for backward beyond the vanilla layer, in elements per token of
+    one micro-batch on one TP rank (activation dtype)."""
+
+    layers: Dict[int, float] = field(default_factory=dict)
+    """Per unrolled layer index."""
+    head: float = 0.0
+    """Next to the final norm and output layer."""
+
+
+NO_SAVED = SavedActivations()
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """A registered depth-mixing method."""
+
+    name: str
+    config_cls: type
+    model_spec: Callable
+    """``(DepthMixConfig) -> DepthMixModelSubmodules``."""
+    plan: Callable
+    """``(DepthMixConfig, tp_size) -> list[Entry]``: the depth state over unrolled layers."""
+    extra_flops_per_token: Callable = lambda config: 0.0
+    """``(DepthMixConfig) -> float``: *forward* FLOPs per token the method adds to the
+    vanilla decoder, summed over the whole model (all unrolled layers, the stem and the
+    head); 2 FLOPs per multiply-add. Counts matmul-like work: projections, depth scores,
+    weighted sums over depth sources and per-token coefficient projections (also where
+    the reference code writes them elementwise); norms, softmaxes, activations and plain
+    residual adds are left out, as the vanilla formula leaves out its own. ShortSWA
+    (``mixer.short_swa_window``) is *not* included: the accounting adds it once, for every
+    mixer. Each hook documents its closed form. Training accounting counts 3x (forward +
+    backward); see ``depthmix.planning.flops``. Used for the logged TFLOP/s and MFU."""
+    extra_io_per_token: Callable = lambda config: 0.0
+    """``(DepthMixConfig) -> float``: activation *elements* the method reads and writes per
+    token in a forward pass beyond the vanilla decoder, whole model (the counting of the
+    Depth-Attention paper's Appendix B: reads of depth sources and writes of what the method
+    produces, less the vanilla residual traffic it replaces; bytes = elements x activation
+    size). Each hook documents its closed form."""
+    extra_state_per_token: Optional[Callable] = None
+    """``(DepthMixConfig) -> float``: elements per token the method holds beyond the vanilla
+    KV cache and residual stream while a context is prefilled (the paper's "extra prefill
+    memory"). None: derived from the plan (:func:`plan_state_per_token`: the most depth
+    state live across a layer boundary, less the one residual stream), which is right for
+    hidden-state methods; attention-side methods whose entries are KV-cache slots override
+    it."""
+    extra_params: Callable = lambda config, tp=1: NO_EXTRA_PARAMS
+    """``(DepthMixConfig, tp) -> ExtraParams``: parameters the method adds to the vanilla
+    model, as one tensor-parallel rank of ``tp`` holds them (TP-sharded ones divided by
+    ``tp``, replicated ones whole; ``tp = 1`` is the whole model), per stored layer and
+    on the stem/head. ShortSWA is not included (the accounting adds it). Used for the
+    parameter count and the dry run's per-stage memory estimate."""
+    saved_activations: Callable = lambda config, tp, micro_batch: NO_SAVED
+    """``(DepthMixConfig, tp, micro_batch) -> SavedActivations``: elements per token the
+    method's own autograd graph saves for backward beyond the vanilla layer (its depth
+    state as its ops save it, coefficients, stacks, norms), per unrolled layer and at the
+    head, on one TP rank (hidden-side tensors divided by ``tp`` under sequence
+    parallelism). Each hook documents its closed form; ``depthmix.planning.memory`` adds
+    it to the vanilla layer and tests/ops/test_memory_model.py checks it against
+    measurement."""
+    view_entries: Callable = lambda config, tp: {}
+    """``(DepthMixConfig, tp) -> {name: elements per token}``: depth-state entries that are
+    views of a larger tensor (a reused value inside its layer's fused QKV output), with
+    that tensor's size on one TP rank: under full recomputation the checkpoint keeps the
+    whole tensor alive, which the memory model counts."""
+    bind: Optional[Callable] = None
+    """``(DepthMixModel) -> None``, called once on every built model chunk: for mixers
+    whose modules need each other (AttnRes' two-phase inference reads a whole block's
+    pseudo-queries at once). None: nothing to bind. Give it with :func:`model_spec_in`
+    so the model code is imported only when a model is built."""
+
+
+def model_spec_in(module: str, function: str) -> Callable:
+    """A ``model_spec`` hook that imports ``depthmix.mixers.<module>`` (the
+    method's Megatron modules) only when a model is built."""
+
+    def model_spec(config):
+        code = importlib.import_module(f"depthmix.mixers.{module}.model")
+        return getattr(code, function)(config)
+
+    model_spec.__qualname__ = f"{module}.{function}"
+    return model_spec
+
+
+def residual_stream_entry(config) -> Entry:
+    """The vanilla residual stream ``h``: written by the stem and every layer."""
+    n = config.unrolled_layers
+    return Entry(HIDDEN, writers=(STEM, *range(n)), readers=(*range(n), n),
+                 shape=(config.hidden_size,), seq_sharded=True)
+
+
+def residual_plan(config, tp: int) -> List[Entry]:
+    return [residual_stream_entry(config)]
+
+
+def plan_state_per_token(config, plan_entries) -> int:
+    """Elements per token of the most depth state live across any layer boundary (one
+    TP rank of one, the whole hidden), less the vanilla residual stream's ``hidden_size``."""
+    from math import prod
+
+    from depthmix.planning.depth_plan import DepthPlan
+
+    plan = DepthPlan(plan_entries, config.unrolled_layers)
+    most = max(sum(prod(e.shape) for e in plan.live_at(b))
+               for b in range(config.unrolled_layers + 1))
+    return most - config.hidden_size
+
+
+def state_per_token(mixer: Mixer, config) -> float:
+    """The mixer's ``extra_state_per_token``, or the plan-derived default."""
+    if mixer.extra_state_per_token is not None:
+        return float(mixer.extra_state_per_token(config))
+    return float(plan_state_per_token(config, mixer.plan(config, 1)))

@@ -1,0 +1,145 @@
+"""Deep Delta Learning (Zhang, Liu, Wang, Gu 2026, arXiv:2601.00417) as a residual operator.
+
+The Residual Stream Duality paper recommends DDL "when the shortcut is the object": instead of ``X
++ F(x)``, each
+sublayer applies the delta rule to a matrix state ``X in R^{d x d_v}`` per token
+(depth-state entry ``"ddl"``, ``[s, b, h, d_v]`` on the sequence-parallel shard)::
+
+    x_in = X r                                   read vector r (init 1/d_v)
+    k    = F(norm(x_in)) / ||F(norm(x_in))||     direction: RMS-normalised / sqrt(d)
+    beta = 2 sigmoid(w_beta . rmsnorm(x_in) + b_beta)   gate in (0, 2), fp32
+    v    = v_scale * sigmoid(W_v x_in + b_v)     values in R^{d_v}
+    X   <- X + beta k (v^T - k^T X)  =  (I - beta k k^T) X + beta k v^T
+
+The Delta operator ``I - beta k k^T`` has eigenvalues ``{1, ..., 1, 1 - beta}``: identity
+(beta -> 0), projection (beta = 1), reflection (beta -> 2). The embedding is replicated
+into the ``d_v`` columns (``DeltaStem``); the final norm reads ``X r_out`` with its own read
+vector (``DeltaReadout``). Choices follow the authors' reference code (``model/DDL.py``,
+expanded state); see ``docs/methods/ddl.md`` for what we follow and what we leave out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from torch import Tensor
+
+from depthmix.mixers.ddl import (  # noqa: F401  (re-exported)
+    MIXER,
+    STATE,
+    DDLConfig,
+    ddl_plan,
+    extra_flops_per_token,
+    extra_params,
+)
+from depthmix.megatron_ext.layer import ResidualOp
+from depthmix.megatron_ext.layer import mark_mixing_parameter
+from depthmix.megatron_ext.model import seeded_init
+from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
+
+K_EPS = 1e-5
+"""``k = y / sqrt(||y||^2 + K_EPS^2)`` (the reference code's ``ddl_k_eps``)."""
+
+
+def _acc(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def ddl_read(x: Tensor, read: Tensor) -> Tensor:
+    """``X r``: ``x [..., h, d_v]``, ``read [d_v]`` -> ``[..., h]`` in ``x``'s dtype."""
+    return x @ read.to(x.dtype)
+
+
+def ddl_write(x: Tensor, y: Tensor, x_in: Tensor, beta_weight: Tensor, beta_bias: Tensor,
+              v_weight: Tensor, v_bias: Tensor, v_scale: float, eps: float):
+    """The delta-rule update ``X + beta k (v^T - k^T X)``; returns ``(X', beta)``.
+
+    ``x [..., h, d_v]``, sublayer output ``y [..., h]``, the sublayer's read ``x_in [..., h]``;
+    ``beta_weight [h]``, ``beta_bias [1]``, ``v_weight [d_v, h]``, ``v_bias [d_v]``.
+    ``k``, ``beta``, ``v``, ``k^T X`` and the row update are fp32; the state stays in its
+    dtype (as the reference code does).
+    """
+    y32, xin32 = _acc(y), _acc(x_in)
+    k = y32 * torch.rsqrt(y32.pow(2).sum(dim=-1, keepdim=True) + K_EPS**2)  # unit direction
+    xn = xin32 * torch.rsqrt(xin32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    logit = (xn @ beta_weight.to(xn.dtype)).unsqueeze(-1) + beta_bias.to(xn.dtype)
+    beta = 2.0 * torch.sigmoid(logit)  # [..., 1]
+    v = v_scale * torch.sigmoid(xin32 @ v_weight.to(xin32.dtype).t() + v_bias.to(xin32.dtype))
+    kx = k.to(x.dtype)
+    proj = (kx.unsqueeze(-1) * x).sum(dim=-2, dtype=k.dtype)  # k^T X  [..., d_v]
+    delta = beta * (v - proj)  # [..., d_v]
+    return x + kx.unsqueeze(-1) * delta.to(x.dtype).unsqueeze(-2), beta
+
+
+_SUBLAYER_SEED = {"attn": 505, "mlp": 606}
+
+
+class DeltaResidual(ResidualOp):
+    """The ``attn_residual`` / ``mlp_residual`` slot: read ``X r``, write the delta update.
+    The token handed from read to write is ``x_in`` (``v`` and ``beta`` read it)."""
+
+    def __init__(self, config, layer_number: int = 1, sublayer: str = "attn", **kwargs):
+        super().__init__(config, layer_number=layer_number, sublayer=sublayer)
+        mc = config.mixer
+        h, dv = config.hidden_size, mc.value_channels
+        self.v_scale, self.eps = mc.v_scale, config.layernorm_epsilon
+        dtype = config.params_dtype
+        with seeded_init(config.init_seed + 1000 * layer_number + _SUBLAYER_SEED[sublayer]):
+            beta_weight = torch.randn(h) * config.init_method_std
+            v_weight = torch.randn(dv, h) * config.init_method_std
+        p = mc.beta_init / 2.0
+        self.read_vector = torch.nn.Parameter(torch.full((dv,), 1.0 / dv, dtype=dtype))
+        self.beta_weight = torch.nn.Parameter(beta_weight.to(dtype))
+        self.beta_bias = torch.nn.Parameter(torch.full((1,), math.log(p / (1 - p)), dtype=dtype))
+        self.v_weight = torch.nn.Parameter(v_weight.to(dtype))
+        self.v_bias = torch.nn.Parameter(torch.zeros(dv, dtype=dtype))
+        for param in self.parameters():
+            mark_mixing_parameter(param, config)
+
+    def read(self, state, ctx):
+        x_in = ddl_read(state[STATE], self.read_vector)  # [s, b, h]
+        return x_in, x_in
+
+    def write(self, state, output, token, ctx) -> None:
+        new, beta = ddl_write(state[STATE], output, token, self.beta_weight, self.beta_bias,
+                              self.v_weight, self.v_bias, self.v_scale, self.eps)
+        if ctx.stats is not None:
+            ctx.record(f"{self.sublayer}/beta", beta.detach().mean())
+        state[STATE] = new
+
+
+class DeltaStem(MegatronModule):
+    """Embedding ``[s, b, h]`` replicated into the ``d_v`` columns: ``[s, b, h, d_v]``."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config=config)
+        self.value_channels = config.mixer.value_channels
+
+    def forward(self, embeddings):
+        s, b, h = embeddings.shape
+        return {STATE: embeddings.unsqueeze(-1).expand(s, b, h, self.value_channels).contiguous()}
+
+
+class DeltaReadout(MegatronModule):
+    """Final state -> the final norm's input ``X r_out`` (own read vector, init 1/d_v)."""
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config=config)
+        dv = config.mixer.value_channels
+        self.read_vector = torch.nn.Parameter(torch.full((dv,), 1.0 / dv,
+                                                         dtype=config.params_dtype))
+        mark_mixing_parameter(self.read_vector, config)
+
+    def forward(self, state, ctx):
+        return ddl_read(state[STATE], self.read_vector)
+
+
+def get_ddl_model_spec(config):
+    residual = ModuleSpec(module=DeltaResidual)
+    layer = dataclasses.replace(get_decoder_layer_submodules(config),
+                                attn_residual=residual, mlp_residual=residual)
+    return get_model_submodules(config, layer, stem=DeltaStem, head=DeltaReadout)

@@ -1,0 +1,124 @@
+"""``train.dry_run=true``: check a configuration for a given world size and print the plan.
+
+Prints the resolved config, the parallel layout (TP/PP/VP/DP sizes, which layers and
+pipeline chunks each PP rank holds, which global ranks form each stage), the parameter
+count and the per-rank memory estimate (weights + grads + optimizer, activations at the
+pipeline peak, pipeline buffers; see :mod:`depthmix.planning.memory`, which the planner
+``depthmix-plan`` also reads), FLOPs per token, and exits.
+Nothing is allocated and no process group is created, so it runs on a login node:
+
+    depthmix-train model=3b parallel=tp2_pp4 train=paper train.dry_run=true parallel.world_size=64
+
+Exit status 0 when the configuration can run at that world size, 2 (with the message
+naming the option) when it cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, TextIO
+
+from omegaconf import OmegaConf
+
+from depthmix.config.schema import ConfigError, RunConfig
+
+EXIT_CONFIG_ERROR = 2
+
+
+def world_size_of(run: RunConfig, env=os.environ) -> int:
+    if run.parallel.world_size is not None:
+        return run.parallel.world_size
+    return int(env.get("WORLD_SIZE", "1"))
+
+
+def check(run: RunConfig, world_size: int) -> None:
+    """Every start-up check the trainer does before building anything."""
+    from depthmix.pretrain.preflight import preflight
+
+    preflight(run, world_size)
+
+
+def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
+    from depthmix.config.load import to_container
+    from depthmix.planning.shape import plan_config
+    from depthmix.config.validate import data_parallel_size
+    from depthmix.planning import flops as acc
+    from depthmix.planning import memory
+
+    p, t = run.parallel, run.train
+    dp = data_parallel_size(run, world_size)
+    vp = p.vp or 1
+    w = out.write
+    w("# depthmix dry run: resolved config\n")
+    w(OmegaConf.to_yaml(OmegaConf.create(to_container(run))))
+    w("\n# parallel layout\n")
+    w(f"world size {world_size} = tp {p.tp} x pp {p.pp} x dp {dp}"
+      f"{f' (vp {vp} virtual stages per pipeline rank)' if vp > 1 else ''}; "
+      f"sequence_parallel={p.sequence_parallel}, distributed_optimizer="
+      f"{p.distributed_optimizer}, recompute={p.recompute}\n")
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    w(f"global batch {t.global_batch_size} = micro batch {t.micro_batch_size} x "
+      f"{num_micro} micro-batches x dp {dp}; {t.global_batch_size * run.model.seq_length:,} "
+      "tokens per step\n")
+    config = plan_config(run)  # what the mixer's hooks read, once
+    estimates = memory.estimate(run, world_size, config)
+    for e in estimates:
+        parts = []
+        for c in e.chunks:
+            tag = "+".join(x for x, on in (("embedding", c["embedding"]), ("head", c["head"]))
+                           if on)
+            parts.append(f"chunk {c['chunk']}: layers {c['layers'].start}-"
+                         f"{c['layers'].stop - 1}" + (f" + {tag}" if tag else ""))
+        w(f"  pp rank {e.pp_rank} (global ranks {e.global_ranks}): {'; '.join(parts)}\n")
+    w("\n# per-rank memory estimate (one TP x DP rank of each stage)\n")
+    w(f"{'pp rank':>7} {'params':>10} {'weights+grads+optim':>20} {'activations':>12} "
+      f"{'in flight':>9} {'total':>10} {'sends/micro-batch':>18} {'p2p buffers':>12}\n")
+    for e in estimates:
+        w(f"{e.pp_rank:>7} {acc.human(e.params):>10} {acc.gib(e.state_bytes):>20} "
+          f"{acc.gib(e.activation_bytes):>12} {e.inflight_microbatches:>9} "
+          f"{acc.gib(e.total_bytes):>10} "
+          f"{f'{e.payload_bytes / 2**20:.1f} MiB' if e.payload_bytes else '-':>18} "
+          f"{acc.gib(e.p2p_buffer_bytes):>12}\n")
+    total = acc.total_params(run, config)
+    per_param = memory.state_bytes_per_param(t.precision, p.distributed_optimizer, dp)
+    w(f"model parameters: {acc.human(total)} ({total:,}); bytes/param for weights+grads+"
+      f"optimizer: {sum(per_param.values()):.2f} ({t.precision}"
+      f"{', distributed optimizer' if p.distributed_optimizer else ''})\n")
+    flops = acc.flops_per_token(run, config)
+    vanilla = flops["linear"] + flops["attention"] + flops["head"]
+    swa = f" + short_swa {acc.human(flops['short_swa'])}" if flops["short_swa"] else ""
+    extra = flops["mixer"] + flops["short_swa"]
+    w(f"training FLOPs per token: {acc.human(flops['train'])} (3 x forward; forward = linear "
+      f"{acc.human(flops['linear'])} + attention {acc.human(flops['attention'])} + head "
+      f"{acc.human(flops['head'])} + mixer {acc.human(flops['mixer'])}{swa}; "
+      f"+{100 * extra / vanilla:.2f}% over vanilla)\n")
+    w(f"Estimates (depthmix.planning.memory) exclude the CUDA context, NCCL buffers and "
+      f"fragmentation: keep about {memory.RESERVE_GIB:.0f} GiB a device free for them.\n")
+
+
+def main(run: RunConfig, world_size: Optional[int] = None, out: TextIO = sys.stdout) -> int:
+    """Returns the process exit status."""
+    world_size = world_size_of(run) if world_size is None else world_size
+    try:
+        check(run, world_size)
+        report(run, world_size, out)
+    except ConfigError as e:
+        print(f"dry run: configuration error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG_ERROR
+    print(f"dry run OK for world size {world_size}", file=out, flush=True)
+    return 0
+
+
+def verdict(run: RunConfig, label: str, world_size: Optional[int] = None,
+            out: TextIO = sys.stdout) -> int:
+    """One line for one point of a multirun dry run: ``[ok] <label>`` or
+    ``[error] <label>: <what to change>``. Returns the exit status of that point."""
+    world_size = world_size_of(run) if world_size is None else world_size
+    try:
+        check(run, world_size)
+    except ConfigError as e:
+        print(f"[error] {label}: {e}", file=out, flush=True)
+        return EXIT_CONFIG_ERROR
+    print(f"[ok] {label} (world size {world_size})", file=out, flush=True)
+    return 0

@@ -1,0 +1,338 @@
+"""``depthmix-plan``: which parallel layout should a run use on a given cluster?
+
+    depthmix-plan model=3b mixer=moda cluster.gpus=64 cluster.gpu=h100 cluster.nodes=8
+
+Every other override composes the run as ``depthmix-train`` would (model, mixer, train
+preset, ...). The planner enumerates tensor/pipeline/virtual/data-parallel sizes, micro
+batch, full recomputation, sequence parallelism and the distributed optimizer; keeps the
+layouts whose every pipeline rank fits the device memory less a reserve
+(:mod:`depthmix.planning.memory`, the dry run's model); and estimates one step's time::
+
+    compute   3 x forward FLOPs x tokens / (gpus x peak x MFU)   (+1 forward with recompute)
+    bubble    compute x (pp - 1) / (vp x micro-batches)          (1F1B / interleaved)
+    tp        per layer and micro-batch 4 all-reduces (2 forward, 2 backward; SP's
+              all-gather + reduce-scatter move the same bytes) of b s h e bytes,
+              2 (tp - 1) / tp of it per GPU over NVLink (+2 with recompute)
+    p2p       per micro-batch and chunk, the transport's wire bytes forward and back, over
+              NVLink when neighbouring stages share a node, else the network
+    dp        gradient all-reduce 2 (dp - 1) / dp x 4 bytes a parameter, or with the
+              distributed optimizer reduce-scatter (4 bytes) + parameter all-gather
+              (weight bytes), (dp - 1) / dp each; over the network when the DP group
+              spans nodes
+
+Nothing is overlapped (Megatron's defaults here: no TP/DP overlap), so the sum is an
+upper bound a tuned run beats; the ranking is what the planner is for. Cluster defaults
+(:data:`GPU_KINDS`) are data-sheet peaks and bandwidths and an achievable MFU; override
+any with ``cluster.<field>=``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, TextIO
+
+from depthmix.config.schema import ConfigError, RunConfig
+from depthmix.planning import memory
+
+EXIT_NO_FIT = 2
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    """One node type (defaults from the vendors' data sheets; MFU is what a tuned
+    Megatron run of this size reaches, not a peak)."""
+
+    name: str
+    memory_gib: float
+    """Device memory as the driver reports it."""
+    peak_tflops: float
+    """Dense bf16/fp16 tensor-core peak."""
+    mfu: float
+    """Achievable model FLOPs utilisation of the compute term."""
+    nvlink_gbs: float
+    """Per GPU, one direction, inside a node (GB/s)."""
+    network_gbs: float
+    """Per GPU between nodes (GB/s): the node's NICs over its GPUs."""
+    gpus_per_node: int = 8
+
+
+GPU_KINDS = {
+    # H100 SXM5: 80 GB HBM3, 989 TFLOP/s bf16 dense, NVLink 4 900 GB/s (both directions),
+    # 8 x 400 Gb/s NDR InfiniBand per node.
+    "h100": GpuKind("H100 SXM 80GB", 79.6, 989.4, 0.40, 450.0, 50.0),
+    # H200 SXM: 141 GB HBM3e, the H100's compute and NVLink, same network.
+    "h200": GpuKind("H200 SXM 141GB", 140.4, 989.4, 0.40, 450.0, 50.0),
+    # A100 SXM4 80GB: 312 TFLOP/s bf16 dense, NVLink 3 600 GB/s, 8 x 200 Gb/s HDR.
+    "a100": GpuKind("A100 SXM 80GB", 80.0, 312.0, 0.45, 300.0, 25.0),
+}
+
+
+@dataclass
+class Cluster:
+    """``cluster.*`` overrides of ``depthmix-plan`` (not part of the training config)."""
+
+    gpus: int = 8
+    gpu: str = "h100"
+    nodes: Optional[int] = None
+    """Default: ``gpus / gpus_per_node`` rounded up."""
+    reserve_gib: float = memory.RESERVE_GIB
+    memory_gib: Optional[float] = None
+    peak_tflops: Optional[float] = None
+    mfu: Optional[float] = None
+    nvlink_gbs: Optional[float] = None
+    network_gbs: Optional[float] = None
+    micro_batch_sizes: tuple = (1, 2, 4, 8)
+
+    def kind(self) -> GpuKind:
+        if self.gpu not in GPU_KINDS:
+            raise ConfigError(f"cluster.gpu={self.gpu!r} is unknown; choose one of "
+                              f"{sorted(GPU_KINDS)}")
+        base = GPU_KINDS[self.gpu]
+        given = {f: getattr(self, f) for f in ("memory_gib", "peak_tflops", "mfu",
+                                              "nvlink_gbs", "network_gbs")}
+        kind = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+        if self.nodes:
+            kind = dataclasses.replace(kind, gpus_per_node=-(-self.gpus // self.nodes))
+        return kind
+
+
+@dataclass
+class Layout:
+    tp: int
+    pp: int
+    vp: Optional[int]
+    dp: int
+    micro_batch: int
+    recompute: str
+    sequence_parallel: bool
+    distributed_optimizer: bool
+
+    def apply(self, run: RunConfig, gpus: int) -> RunConfig:
+        run = dataclasses.replace(run, parallel=dataclasses.replace(
+            run.parallel, tp=self.tp, pp=self.pp, vp=self.vp, dp=None,
+            sequence_parallel=self.sequence_parallel,
+            distributed_optimizer=self.distributed_optimizer, recompute=self.recompute,
+            world_size=gpus), train=dataclasses.replace(run.train, micro_batch_size=self.micro_batch))
+        return run
+
+    def overrides(self, gpus: int) -> List[str]:
+        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
+                f"parallel.vp={'null' if self.vp is None else self.vp}",
+                f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
+                f"parallel.distributed_optimizer={str(self.distributed_optimizer).lower()}",
+                f"parallel.recompute={self.recompute}", f"parallel.world_size={gpus}",
+                f"train.micro_batch_size={self.micro_batch}"]
+
+    def short(self) -> str:
+        vp = f" vp{self.vp}" if self.vp else ""
+        flags = [f for f, on in (("sp", self.sequence_parallel),
+                                 ("distopt", self.distributed_optimizer),
+                                 ("recompute", self.recompute == "full")) if on]
+        return (f"tp{self.tp} pp{self.pp}{vp} dp{self.dp} mb{self.micro_batch}"
+                + (" " + "+".join(flags) if flags else ""))
+
+
+TERMS = ("compute", "recompute", "bubble", "tp", "p2p", "dp")
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    peak_bytes: float  # the fullest pipeline rank
+    peak_rank: memory.RankMemory
+    seconds: dict  # by TERMS
+    tokens_per_step: int
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_seconds
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(run: RunConfig, cluster: Cluster) -> List[Layout]:
+    """Every layout the training config accepts at ``cluster.gpus`` (the preflight's rules)."""
+    from depthmix.config.validate import validate as validate_world
+
+    m, t, kind = run.model, run.train, cluster.kind()
+    out = []
+    for tp in _divisors(min(kind.gpus_per_node, cluster.gpus)):
+        if m.num_attention_heads % tp or m.num_query_groups % tp:
+            continue
+        for pp in _divisors(cluster.gpus // tp):
+            if m.num_layers % pp or (pp > 1 and m.n_loops > 1):
+                continue
+            dp = cluster.gpus // (tp * pp)
+            vps = [None] + [v for v in _divisors(m.num_layers // pp) if v > 1 and pp > 1]
+            for vp, mb in ((v, b) for v in vps for b in cluster.micro_batch_sizes):
+                if t.global_batch_size % (mb * dp):
+                    continue
+                if vp and (t.global_batch_size // (mb * dp)) % pp:
+                    continue
+                for sp in ([False, True] if tp > 1 else [False]):
+                    for distopt in ([False, True] if dp > 1 else [False]):
+                        for rc in ("none", "full"):
+                            out.append(Layout(tp, pp, vp, dp, mb, rc, sp, distopt))
+    out = [lay for lay in out if _accepted(validate_world, lay.apply(run, cluster.gpus),
+                                           cluster.gpus)]
+    return out
+
+
+def _accepted(check, run, gpus) -> bool:
+    try:
+        check(run, gpus)
+    except ConfigError:
+        return False
+    return True
+
+
+def step_time(run: RunConfig, lay: Layout, kind: GpuKind, ranks, flops_per_token: float,
+              params_per_rank: int, gpus: int) -> dict:
+    """Seconds per step by term (module doc)."""
+    m, t = run.model, run.train
+    e = memory.activation_bytes_of(t.precision)
+    tokens = t.global_batch_size * m.seq_length
+    num_micro = t.global_batch_size // (lay.micro_batch * lay.dp)
+    vp = lay.vp or 1
+    compute = flops_per_token * tokens / (gpus * kind.peak_tflops * 1e12 * kind.mfu)
+    recompute = compute / 3 if lay.recompute == "full" else 0.0
+    bubble = (compute + recompute) * (lay.pp - 1) / (vp * num_micro)
+    layers_here = m.num_layers * m.n_loops // lay.pp
+    collectives = 4 + (2 if lay.recompute == "full" else 0)
+    size = lay.micro_batch * m.seq_length * m.hidden_size * e
+    tp = (layers_here * num_micro * collectives * 2 * (lay.tp - 1) / lay.tp * size
+          / (kind.nvlink_gbs * 1e9))
+    stage_stride = lay.tp * lay.dp  # Megatron's rank order: tp fastest, pp outermost
+    p2p_bw = kind.nvlink_gbs if stage_stride < kind.gpus_per_node else kind.network_gbs
+    wire = max(r.wire_bytes for r in ranks)
+    p2p = num_micro * vp * 2 * wire / (p2p_bw * 1e9) if lay.pp > 1 else 0.0
+    dp_bw = kind.network_gbs if lay.tp * lay.dp > kind.gpus_per_node else kind.nvlink_gbs
+    share = (lay.dp - 1) / lay.dp
+    weights = memory.state_bytes_per_param(t.precision, False, 1)["weights"]
+    per_param = (4 + weights) * share if lay.distributed_optimizer else 2 * 4 * share
+    dp = params_per_rank * per_param / (dp_bw * 1e9)
+    return {"compute": compute, "recompute": recompute, "bubble": bubble, "tp": tp,
+            "p2p": p2p, "dp": dp}
+
+
+class NoFit(Exception):
+    """No layout fits; the message says what is short."""
+
+
+def plan(run: RunConfig, cluster: Cluster):
+    """``(fitting candidates fastest first, every candidate evaluated)``; raises
+    :class:`NoFit` naming the shortfall when nothing fits."""
+    from depthmix.planning import flops as acc
+
+    kind = cluster.kind()
+    budget = (kind.memory_gib - cluster.reserve_gib) * GIB
+    flops = acc.flops_per_token(run)["train"]
+    everyone = []
+    for lay in layouts(run, cluster):
+        r = lay.apply(run, cluster.gpus)
+        ranks = memory.estimate(r, cluster.gpus)
+        peak = max(ranks, key=lambda x: x.total_bytes)
+        seconds = step_time(r, lay, kind, ranks, flops, max(x.params for x in ranks),
+                            cluster.gpus)
+        everyone.append(Candidate(lay, peak.total_bytes, peak, seconds,
+                                  r.train.global_batch_size * r.model.seq_length))
+    if not everyone:
+        raise NoFit(f"no parallel layout of {cluster.gpus} GPUs is valid for this model "
+                    f"(heads, layers and train.global_batch_size={run.train.global_batch_size}"
+                    " must divide over tp, pp and dp)")
+    fitting = sorted((c for c in everyone if c.peak_bytes <= budget),
+                     key=lambda c: (c.step_seconds, c.peak_bytes))
+    if not fitting:
+        best = min(everyone, key=lambda c: c.peak_bytes)
+        p = best.peak_rank
+        raise NoFit(
+            f"fits on no layout of {cluster.gpus} x {kind.name} ({kind.memory_gib:.1f} GiB, "
+            f"{cluster.reserve_gib:.1f} GiB reserve): the smallest need is "
+            f"{best.peak_bytes / GIB:.1f} GiB on pp rank {p.pp_rank} of "
+            f"{best.layout.short()} (weights+grads+optimizer {p.state_bytes / GIB:.1f} GiB, "
+            f"activations {p.activation_bytes / GIB:.1f} GiB, pipeline buffers "
+            f"{p.p2p_buffer_bytes / GIB:.1f} GiB); memory is short by "
+            f"{(best.peak_bytes - budget) / GIB:.1f} GiB per GPU")
+    return fitting, everyone
+
+
+def why_slower(loser: Candidate, winner: Candidate) -> str:
+    if loser.step_seconds <= winner.step_seconds * 1.001:
+        return (f"same time, {(loser.peak_bytes - winner.peak_bytes) / GIB:.1f} GiB more "
+                "memory")
+    deltas = {k: loser.seconds[k] - winner.seconds[k] for k in TERMS}
+    term = max(deltas, key=deltas.get)
+    return f"+{deltas[term]:.3f} s {term}"
+
+
+def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
+           out: TextIO = sys.stdout) -> Candidate:
+    kind = cluster.kind()
+    fitting, everyone = plan(run, cluster)
+    w = out.write
+    w(f"# depthmix-plan: {run.model.name} mixer={run.mixer.name} on {cluster.gpus} x "
+      f"{kind.name} ({kind.gpus_per_node} a node; {kind.memory_gib:.1f} GiB less "
+      f"{cluster.reserve_gib:.1f} GiB reserve; {kind.peak_tflops:g} TFLOP/s at MFU "
+      f"{kind.mfu:.2f}; NVLink {kind.nvlink_gbs:g} GB/s, network {kind.network_gbs:g} GB/s "
+      f"per GPU)\n")
+    w(f"{len(everyone)} valid layouts, {len(fitting)} fit memory\n\n")
+    w(f"{'layout':<40} {'step s':>8} {'tokens/s':>10} {'peak GiB':>9}  "
+      + " ".join(f"{k:>9}" for k in TERMS) + "  why slower\n")
+    win = fitting[0]
+    for c in fitting[:top]:
+        reason = "chosen" if c is win else why_slower(c, win)
+        w(f"{c.layout.short():<40} {c.step_seconds:>8.3f} {c.tokens_per_s:>10,.0f} "
+          f"{c.peak_bytes / GIB:>9.1f}  " + " ".join(f"{c.seconds[k]:>9.3f}" for k in TERMS)
+          + f"  {reason}\n")
+    too_big = [c for c in everyone if c not in fitting]
+    if too_big:
+        w(f"{len(too_big)} layouts need more than the budget (e.g. "
+          f"{min(too_big, key=lambda c: c.step_seconds).layout.short()}: "
+          f"{min(too_big, key=lambda c: c.step_seconds).peak_bytes / GIB:.1f} GiB)\n")
+    w("\nchosen:\n  depthmix-train " + " ".join([*argv, *win.layout.overrides(cluster.gpus)])
+      + "\n")
+    return win
+
+
+def split_argv(argv: Sequence[str]):
+    """``cluster.*`` overrides -> :class:`Cluster`; the rest compose the run."""
+    cluster, rest = Cluster(), []
+    types = {f.name: f.type for f in dataclasses.fields(Cluster)}
+    for arg in argv:
+        if not arg.startswith("cluster."):
+            rest.append(arg)
+            continue
+        key, _, value = arg[len("cluster."):].partition("=")
+        if key not in types or key == "micro_batch_sizes":
+            raise ConfigError(f"cluster.{key} is unknown; choose from "
+                              f"{sorted(k for k in types if k != 'micro_batch_sizes')}")
+        caster = str if key == "gpu" else (int if key in ("gpus", "nodes") else float)
+        setattr(cluster, key, caster(value) if value not in ("null", "") else None)
+    return cluster, rest
+
+
+def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
+    from depthmix.config.load import compose_run
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cluster, rest = split_argv(argv)
+        run = compose_run(*rest)
+        report(run, cluster, rest, out=out)
+    except (ConfigError, NoFit) as e:
+        print(f"depthmix-plan: {e}", file=sys.stderr, flush=True)
+        return EXIT_NO_FIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
