@@ -4,10 +4,7 @@ The trainer and ``train.dry_run`` call this one function. It runs the option che
 :func:`depthmix.config.validate.validate` (with the layout checks for ``world_size``), then
 the checks that touch files:
 
-* data: the embedded corpus' vocabulary fits ``model.vocab_size``; every ``data.prefixes`` entry has its ``.bin``/``.idx`` (and passes
-  ``depthmix.data.integrity.check_prefix`` where that module exists); ``data.split`` gives
-  every split with a positive weight at least one document (Megatron would loop for ever);
-* tokenizer: ``data.tokenizer`` loads and its vocabulary fits ``model.vocab_size``;
+* data and tokenizer: :func:`depthmix.data.checks.check_data`;
 * checkpoints: the save directory exists as a writable directory or can be created;
 * compilation (``train.compile=true``): a recent enough torch, a C++ compiler for inductor
   on CPU, and no option the compiled layers cannot run.
@@ -20,14 +17,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
-from typing import List, Optional
 
+from depthmix.checkpoint.store import default_save_dir, preflight_checkpoint
 from depthmix.config.schema import ConfigError, RunConfig
-from depthmix.config.validate import parse_blend, split_weights, validate
-
-_IDX_MAGIC = b"MMIDIDX\x00\x00"
-SPLITS = ("train", "valid", "test")
+from depthmix.config.validate import validate
+from depthmix.data.checks import check_data
 
 
 def preflight(run: RunConfig, world_size: int, data: bool = True) -> None:
@@ -38,8 +32,6 @@ def preflight(run: RunConfig, world_size: int, data: bool = True) -> None:
         check_data(run)
     check_save_dir(run)
     check_compile(run)
-    from depthmix.checkpoint.store import preflight_checkpoint
-
     preflight_checkpoint(run)  # a checkpoint of another configuration is refused here
 
 
@@ -74,72 +66,10 @@ def _has_cuda_device() -> bool:
     return os.path.exists("/dev/nvidia0") and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
 
 
-# ------------------------------------------------------------------------ data
-def sequence_count(prefix: str) -> int:
-    """Number of sequences (documents) in a Megatron ``.idx``, from its header."""
-    path = f"{prefix}.idx"
-    with open(path, "rb") as f:
-        header = f.read(34)
-    if len(header) < 34 or header[:9] != _IDX_MAGIC:
-        raise ConfigError(f"data.prefixes: {path} is not a Megatron index file "
-                          "(make it with depthmix-preprocess)")
-    return struct.unpack("<Q", header[18:26])[0]
-
-
-def split_ranges(split: str, num_documents: int) -> List[Optional[range]]:
-    """Documents of each of train/valid/test as Megatron cuts them (None: weight 0)."""
-    weights = split_weights(split)
-    out, start = [], 0.0
-    for w in weights:
-        if w <= 0:
-            out.append(None)
-        else:
-            end = min(start + w, 1.0)
-            out.append(range(int(round(start * num_documents)), int(round(end * num_documents))))
-        start += w
-    return out
-
-
-def _check_split(split: str, source: str, num_documents: int) -> None:
-    for name, docs in zip(SPLITS, split_ranges(split, num_documents)):
-        if docs is not None and len(docs) == 0:
-            raise ConfigError(f"data.split={split!r} gives the {name} split of {source} no "
-                              f"documents ({num_documents} documents in all)")
-
-
-def check_data(run: RunConfig) -> None:
-    d = run.data
-    if not d.prefixes:  # the embedded corpus: built at start-up, its sizes are options
-        if d.embedded_vocab_size > run.model.vocab_size:
-            raise ConfigError(f"data.embedded_vocab_size={d.embedded_vocab_size} is larger "
-                              f"than model.vocab_size={run.model.vocab_size}")
-        _check_split(d.split, "the embedded corpus (data.embedded_documents)",
-                     d.embedded_documents)
-        return
-    from depthmix.data.integrity import check_prefix
-
-    paths, weights = parse_blend(d.prefixes)
-    for i, path in enumerate(paths):
-        prefix = os.path.abspath(os.path.expanduser(path))
-        if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
-            raise ConfigError(f"data.prefixes: {prefix}.bin/.idx not found "
-                              "(make them with depthmix-preprocess)")
-        # header, sizes and index consistency (the pass over every document: build_data)
-        check_prefix(prefix, f"data.prefixes[{2 * i + 1 if weights else i}]", deep=False)
-        _check_split(d.split, prefix, sequence_count(prefix))
-    from depthmix.data.tokenizer import load_tokenizer
-
-    load_tokenizer(d.tokenizer, "data.tokenizer", run.model.vocab_size)
-
-
 # ------------------------------------------------------------------------ save directory
-def save_dir(run: RunConfig) -> str:
-    return run.train.save_dir or os.path.join(run.output_dir, "checkpoints")
-
-
 def check_save_dir(run: RunConfig) -> None:
     """The save directory is a writable directory, or its nearest existing parent is."""
-    path = os.path.abspath(os.path.expanduser(save_dir(run)))
+    path = os.path.abspath(os.path.expanduser(default_save_dir(run)))
     option = "train.save_dir" if run.train.save_dir else "output_dir (checkpoints/ in it)"
     probe = path
     while not os.path.exists(probe):

@@ -3,7 +3,8 @@
 import pytest
 
 from depthmix.config.load import compose_run
-from depthmix.pretrain.preflight import preflight, split_ranges
+from depthmix.data.checks import split_ranges
+from depthmix.pretrain.preflight import preflight
 from depthmix.config.schema import ConfigError
 
 

@@ -201,12 +201,14 @@ def test_config_errors(tmp_path, data_cache, make_run, embedded, two_prefixes):
 
 
 def test_preflight_reads_the_document_count_megatron_reads(two_prefixes):
+    """The count the split check reads (:func:`depthmix.data.checks.check_data`)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from depthmix.pretrain.preflight import sequence_count
+    from depthmix.data.integrity import check_prefix
 
     for prefix in two_prefixes:
-        assert sequence_count(prefix) == len(IndexedDataset(prefix, mmap=True).sequence_lengths)
+        sequences = check_prefix(prefix, "data.prefixes", deep=False).sequences
+        assert sequences == len(IndexedDataset(prefix, mmap=True).sequence_lengths)
 
 
 def test_cache_is_reused(data_cache, make_run, embedded):
