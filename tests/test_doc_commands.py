@@ -184,6 +184,7 @@ def dry_run(args: List[str], world_size: Optional[int]) -> tuple:
     from depthmix.config.load import compose_run
     from depthmix.config.schema import ConfigError
     from depthmix.planning import dry_run as dry
+    from depthmix.pretrain.preflight import preflight
 
     try:
         run = compose_run(*args, "train.dry_run=true")
@@ -193,7 +194,7 @@ def dry_run(args: List[str], world_size: Optional[int]) -> tuple:
         world_size = run.parallel.world_size or 1
     out = io.StringIO()
     try:
-        dry.check(run, world_size)
+        preflight(run, world_size)
     except ConfigError as e:
         return 2, f"configuration error: {e}"
     dry.report(run, world_size, out)

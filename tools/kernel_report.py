@@ -35,6 +35,7 @@ from depthmix.runtime.log import startup_warnings  # noqa: E402
 startup_warnings.start()  # Megatron's import-time notices (the bench modules import it)
 
 from depthmix.kernels import gpu_report, roofline  # noqa: E402
+from depthmix.planning.hardware import H100, H200  # noqa: E402
 
 
 def _kib(n: float) -> str:
@@ -89,8 +90,8 @@ def roofline_table(work: List[roofline.Work]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (op, case), by_dir in pairs.items():
         fwd, bwd = by_dir["fwd"], by_dir["bwd"]
-        (f100, fb), (b100, bb) = fwd.floor(roofline.H100), bwd.floor(roofline.H100)
-        h200 = fwd.floor(roofline.H200)[0] + bwd.floor(roofline.H200)[0]
+        (f100, fb), (b100, bb) = fwd.floor(H100), bwd.floor(H100)
+        h200 = fwd.floor(H200)[0] + bwd.floor(H200)[0]
         lines.append("| " + " | ".join([
             op, case, f"{fwd.bytes / 1e6:.0f} / {bwd.bytes / 1e6:.0f}",
             f"{fwd.flops / 1e9:.1f} / {bwd.flops / 1e9:.1f}",

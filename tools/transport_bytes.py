@@ -27,9 +27,8 @@ def main():
 
     from depthmix.config.load import compose_run
     from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.planning.pipeline import PipelineLayout
+    from depthmix.planning.pipeline import PipelineLayout, geometry_of
     from depthmix.mixers import available
-    from depthmix.megatron_ext.transport import geometry_of
 
     names = available() if args.mixers == "all" else args.mixers.split(",")
     print(f"model={args.model} tp={args.tp} pp={args.pp} vp={args.vp} sp={args.sp} "

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from depthmix.config.schema import ConfigError
+from depthmix.planning.units import fmt_bytes
 
 log = logging.getLogger("depthmix")
 
@@ -56,14 +57,6 @@ MARGIN = 1.05  # checkpoint sizes vary a little (metadata, pickled objects)
 
 class SaveError(RuntimeError):
     """A checkpoint could not be saved; the message says what ran out and what is intact."""
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 # ---------------------------------------------------------------------------------------

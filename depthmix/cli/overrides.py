@@ -320,6 +320,7 @@ def dry_run_points(points: Sequence[Point]) -> int:
     """Every point of a multirun dry run: one verdict line each; 2 if any fails."""
     from depthmix.config.load import resolve
     from depthmix.planning import dry_run
+    from depthmix.pretrain.preflight import preflight
 
     status = 0
     for point in points:
@@ -330,7 +331,7 @@ def dry_run_points(points: Sequence[Point]) -> int:
             print(f"[error] {point.label}: {e}", flush=True)
             status = EXIT_CONFIG_ERROR
             continue
-        status = max(status, dry_run.verdict(run, point.label))
+        status = max(status, dry_run.verdict(run, point.label, check=preflight))
     print(f"dry run: {len(points)} points, "
           f"{'all OK' if status == 0 else 'some cannot run (exit 2)'}", flush=True)
     return status

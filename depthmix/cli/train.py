@@ -68,8 +68,9 @@ def _start(cfg: DictConfig):
     run = resolve(cfg)
     if run.train.dry_run:
         from depthmix.planning import dry_run
+        from depthmix.pretrain.preflight import preflight
 
-        sys.exit(dry_run.main(run))
+        sys.exit(dry_run.main(run, check=preflight))
     run_log.quiet_libraries(run.train.verbose)  # before Megatron's import-time info lines
     from depthmix.pretrain.trainer import Trainer, default_callbacks  # imports Megatron
 

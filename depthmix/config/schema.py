@@ -33,9 +33,10 @@ class ModelConfig:
     num_query_groups: int = 2
     """KV heads; ``num_attention_heads / num_query_groups`` is the GQA group size G."""
     head_dim: Optional[int] = None
-    """Defaults to ``hidden_size / num_attention_heads``."""
+    """Defaults to ``hidden_size / num_attention_heads`` (:attr:`kv_channels`)."""
     vocab_size: int = 50304
-    """Rounded up to a multiple of ``make_vocab_size_divisible_by * tp`` for the embedding."""
+    """Rounded up to a multiple of ``make_vocab_size_divisible_by`` for the embedding
+    (:attr:`padded_vocab_size`)."""
     make_vocab_size_divisible_by: int = 128
     """Pad the embedding and output layer to a multiple of this (Megatron-LM's default
     128)."""
@@ -53,6 +54,19 @@ class ModelConfig:
     """``pre`` (default) or ``post`` (post-norm blocks; MoDA reports they suit it)."""
     n_loops: int = 1
     """Looped transformer: the layer stack is applied ``n_loops`` times with shared weights."""
+
+    @property
+    def kv_channels(self) -> int:
+        """Width of one attention head (Megatron's name)."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and the output layer. Not a multiple of TP: the padded
+        size, hence the initial weights, must not depend on the layout (validation checks
+        that it divides by TP)."""
+        multiple = self.make_vocab_size_divisible_by
+        return (self.vocab_size + multiple - 1) // multiple * multiple
 
 
 @dataclass
@@ -204,7 +218,7 @@ class TrainConfig:
     ``on_nonfinite``; counted towards ``max_nonfinite_steps``)."""
     peak_tflops: Optional[float] = None
     """Per-device peak dense TFLOP/s for MFU; None = look the device up in a table
-    (``depthmix.planning.flops.PEAK_TFLOPS``); no MFU when unknown (e.g. CPU)."""
+    (``depthmix.planning.hardware``); no MFU when unknown (e.g. CPU)."""
     verbose: bool = False
     """Show what the libraries print at start-up: every Megatron-Core / Apex / Transformer
     Engine warning, Megatron's config dumps and bucket lists, W&B's messages. Default: one

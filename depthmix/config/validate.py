@@ -80,12 +80,6 @@ def _choices(group: str, cfg) -> None:
             check_choice(option, getattr(cfg, option.split(".", 1)[1]), allowed)
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """Round up to ``divisible_by`` (not times TP: the padded size, hence the initial
-    weights, must not depend on the layout; validation checks it divides by TP)."""
-    return ((vocab_size + divisible_by - 1) // divisible_by) * divisible_by
-
-
 def split_weights(split: str) -> list:
     """``data.split`` -> three non-negative weights ``[train, valid, test]`` summing to 1.
 
@@ -165,7 +159,7 @@ def validate_parallel(run: RunConfig) -> None:
     _require(m.num_query_groups % p.tp == 0,
              f"model.num_query_groups={m.num_query_groups} (KV heads) is not divisible by "
              f"parallel.tp={p.tp}")
-    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    vocab = m.padded_vocab_size
     _require(vocab % p.tp == 0,
              f"padded vocabulary {vocab} (model.vocab_size={m.vocab_size} rounded up to "
              f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}) is not "

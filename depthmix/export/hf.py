@@ -60,10 +60,6 @@ def check_exportable(run) -> None:
                           "implements mixed_state=value only")
 
 
-def head_dim(m) -> int:
-    return m.head_dim or m.hidden_size // m.num_attention_heads
-
-
 def hf_config(run, dtype: torch.dtype, special: Dict[str, Optional[int]]) -> dict:
     """``config.json`` for the exported model."""
     m = run.model
@@ -76,7 +72,7 @@ def hf_config(run, dtype: torch.dtype, special: Dict[str, Optional[int]]) -> dic
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_query_groups,
-        "head_dim": head_dim(m),
+        "head_dim": m.kv_channels,
         "hidden_act": "silu",
         "max_position_embeddings": m.seq_length,
         "rms_norm_eps": m.norm_epsilon,
@@ -112,7 +108,7 @@ def hf_state_dict(model, run) -> Dict[str, torch.Tensor]:
         used.add(name)
         return params[name]
 
-    ng, hd = m.num_query_groups, head_dim(m)
+    ng, hd = m.num_query_groups, m.kv_channels
     G = m.num_attention_heads // ng
     vocab = m.vocab_size
     out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")[:vocab],

@@ -14,32 +14,26 @@ For each op, forward and backward, at each shape of ``cases(smoke=False)`` in it
 ``floor = max(bytes / HBM bandwidth, tensor FLOPs / tensor peak, other FLOPs / fp32
 peak)``; the largest term names the bound (``memory``, ``tensor``, ``fp32``).
 
-Peaks (dense, no sparsity): NVIDIA H100 Tensor Core GPU datasheet, SXM5: HBM3 3.35 TB/s,
-BF16 tensor 989 TFLOP/s, TF32 tensor 494.7 TFLOP/s, FP32 67 TFLOP/s; NVIDIA H200 datasheet:
-HBM3e 4.8 TB/s, the same compute. mHC's projections run their fp32 operands as ``tf32x3``
-(three TF32 products each), so their peak is a third of TF32's.
+Peaks and bandwidths (dense, no sparsity) are the device table's
+(:mod:`depthmix.planning.hardware`). mHC's projections run their fp32 operands as
+``tf32x3`` (three TF32 products each), so their peak is a third of TF32's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import List, Tuple
+
+from depthmix.planning.hardware import H100, Device
 
 BF16, FP32 = 2, 4  # bytes per element
 
 
-@dataclass(frozen=True)
-class Device:
-    name: str
-    hbm_bytes_per_s: float
-    tensor_flops: Dict[str, float]
-    """Peak by ``tl.dot`` input precision."""
-    fp32_flops: float
-
-
-_TENSOR_PEAKS = {"bf16": 989e12, "tf32x3": 494.7e12 / 3}
-H100 = Device("H100 SXM", 3.35e12, _TENSOR_PEAKS, 67e12)
-H200 = Device("H200 SXM", 4.8e12, _TENSOR_PEAKS, 67e12)
+def tensor_flops(device: Device, precision: str) -> float:
+    """Peak FLOP/s of the tensor cores for ``tl.dot`` inputs of ``precision``."""
+    if precision == "tf32x3":
+        return device.tflops["tf32"] * 1e12 / 3
+    return device.tflops[precision] * 1e12
 
 
 @dataclass(frozen=True)
@@ -61,9 +55,9 @@ class Work:
 
     def floor(self, device: Device = H100) -> Tuple[float, str]:
         """``(seconds, bound)`` on ``device``."""
-        terms = {"memory": self.bytes / device.hbm_bytes_per_s,
-                 "tensor": self.tensor_flops / device.tensor_flops[self.precision],
-                 "fp32": self.fp32_flops / device.fp32_flops}
+        terms = {"memory": self.bytes / (device.hbm_tb_s * 1e12),
+                 "tensor": self.tensor_flops / tensor_flops(device, self.precision),
+                 "fp32": self.fp32_flops / (device.tflops["fp32"] * 1e12)}
         bound = max(terms, key=terms.get)
         return terms[bound], bound
 

@@ -9,7 +9,6 @@ from typing import Any
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from depthmix.config.schema import RunConfig
-from depthmix.config.validate import padded_vocab_size
 from depthmix.planning.shape import DerivedShape
 
 
@@ -57,7 +56,7 @@ def to_transformer_config(run: RunConfig):
         ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
-        kv_channels=m.head_dim or m.hidden_size // m.num_attention_heads,
+        kv_channels=m.kv_channels,
         normalization="RMSNorm",
         layernorm_epsilon=m.norm_epsilon,
         gated_linear_unit=True,
@@ -98,7 +97,7 @@ def to_transformer_config(run: RunConfig):
         cross_entropy_loss_fusion=False,
         # depthmix
         mixer=run.mixer,
-        vocab_size=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by),
+        vocab_size=m.padded_vocab_size,
         seq_length=m.seq_length,
         rotary_base=m.rotary_base,
         norm_position=m.norm_position,

@@ -28,8 +28,8 @@ from torch import Tensor
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.planning.depth_plan import DepthPlan, DepthState
 from depthmix.megatron_ext.layer import HIDDEN
-from depthmix.planning.pipeline import PipelineLayout
-from depthmix.megatron_ext.transport import DepthStateCache, DepthTransport, geometry_of
+from depthmix.planning.pipeline import PipelineLayout, geometry_of
+from depthmix.megatron_ext.transport import DepthStateCache, DepthTransport
 
 
 @contextlib.contextmanager

@@ -1,1 +1,3 @@
-"""Planning a run without building it: the model shape, FLOPs, memory per pipeline rank, the layout planner, theoretical overheads and the dry run. Imports neither torch nor Megatron."""
+"""Planning a run without building it: the model shape, the pipeline layout and what crosses
+its stages, FLOPs, memory per pipeline rank, the device table, the layout planner,
+theoretical overheads and the dry run. Imports neither torch nor Megatron."""

@@ -10,20 +10,31 @@ Nothing is allocated and no process group is created, so it runs on a login node
     depthmix-train model=3b parallel=tp2_pp4 train=paper train.dry_run=true parallel.world_size=64
 
 Exit status 0 when the configuration can run at that world size, 2 (with the message
-naming the option) when it cannot.
+naming the option) when it cannot. The checks are the caller's ``check`` (the trainer's
+start-up preflight, ``depthmix.pretrain.preflight.preflight``): planning imports nothing
+of the trainer.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
 from omegaconf import OmegaConf
 
+from depthmix.config.load import to_container
 from depthmix.config.schema import ConfigError, RunConfig
+from depthmix.config.validate import data_parallel_size
+from depthmix.planning import memory
+from depthmix.planning.flops import flops_per_token, total_params
+from depthmix.planning.shape import Shape
+from depthmix.planning.units import fmt_bytes, human
 
 EXIT_CONFIG_ERROR = 2
+Check = Callable[[RunConfig, int], None]
+"""``(run, world_size)``: raises :class:`ConfigError` naming the option if the run cannot
+start."""
 
 
 def world_size_of(run: RunConfig, env=os.environ) -> int:
@@ -32,20 +43,7 @@ def world_size_of(run: RunConfig, env=os.environ) -> int:
     return int(env.get("WORLD_SIZE", "1"))
 
 
-def check(run: RunConfig, world_size: int) -> None:
-    """Every start-up check the trainer does before building anything."""
-    from depthmix.pretrain.preflight import preflight
-
-    preflight(run, world_size)
-
-
 def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
-    from depthmix.config.load import to_container
-    from depthmix.planning.shape import plan_config
-    from depthmix.config.validate import data_parallel_size
-    from depthmix.planning import flops as acc
-    from depthmix.planning import memory
-
     p, t = run.parallel, run.train
     dp = data_parallel_size(run, world_size)
     vp = p.vp or 1
@@ -61,8 +59,8 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
     w(f"global batch {t.global_batch_size} = micro batch {t.micro_batch_size} x "
       f"{num_micro} micro-batches x dp {dp}; {t.global_batch_size * run.model.seq_length:,} "
       "tokens per step\n")
-    config = plan_config(run)  # what the mixer's hooks read, once
-    estimates = memory.estimate(run, world_size, config)
+    shape = Shape.of(run)  # what the mixer's hooks read, built once
+    estimates = memory.estimate(run, world_size, shape)
     for e in estimates:
         parts = []
         for c in e.chunks:
@@ -75,29 +73,33 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
     w(f"{'pp rank':>7} {'params':>10} {'weights+grads+optim':>20} {'activations':>12} "
       f"{'in flight':>9} {'total':>10} {'sends/micro-batch':>18} {'p2p buffers':>12}\n")
     for e in estimates:
-        w(f"{e.pp_rank:>7} {acc.human(e.params):>10} {acc.gib(e.state_bytes):>20} "
-          f"{acc.gib(e.activation_bytes):>12} {e.inflight_microbatches:>9} "
-          f"{acc.gib(e.total_bytes):>10} "
-          f"{f'{e.payload_bytes / 2**20:.1f} MiB' if e.payload_bytes else '-':>18} "
-          f"{acc.gib(e.p2p_buffer_bytes):>12}\n")
-    total = acc.total_params(run, config)
+        sends = fmt_bytes(e.payload_bytes, "MiB", digits=1) if e.payload_bytes else "-"
+        w(f"{e.pp_rank:>7} {human(e.params):>10} {_gib(e.state_bytes):>20} "
+          f"{_gib(e.activation_bytes):>12} {e.inflight_microbatches:>9} "
+          f"{_gib(e.total_bytes):>10} {sends:>18} {_gib(e.p2p_buffer_bytes):>12}\n")
+    total = total_params(run, shape)
     per_param = memory.state_bytes_per_param(t.precision, p.distributed_optimizer, dp)
-    w(f"model parameters: {acc.human(total)} ({total:,}); bytes/param for weights+grads+"
+    w(f"model parameters: {human(total)} ({total:,}); bytes/param for weights+grads+"
       f"optimizer: {sum(per_param.values()):.2f} ({t.precision}"
       f"{', distributed optimizer' if p.distributed_optimizer else ''})\n")
-    flops = acc.flops_per_token(run, config)
+    flops = flops_per_token(run, shape)
     vanilla = flops["linear"] + flops["attention"] + flops["head"]
-    swa = f" + short_swa {acc.human(flops['short_swa'])}" if flops["short_swa"] else ""
+    swa = f" + short_swa {human(flops['short_swa'])}" if flops["short_swa"] else ""
     extra = flops["mixer"] + flops["short_swa"]
-    w(f"training FLOPs per token: {acc.human(flops['train'])} (3 x forward; forward = linear "
-      f"{acc.human(flops['linear'])} + attention {acc.human(flops['attention'])} + head "
-      f"{acc.human(flops['head'])} + mixer {acc.human(flops['mixer'])}{swa}; "
+    w(f"training FLOPs per token: {human(flops['train'])} (3 x forward; forward = linear "
+      f"{human(flops['linear'])} + attention {human(flops['attention'])} + head "
+      f"{human(flops['head'])} + mixer {human(flops['mixer'])}{swa}; "
       f"+{100 * extra / vanilla:.2f}% over vanilla)\n")
     w(f"Estimates (depthmix.planning.memory) exclude the CUDA context, NCCL buffers and "
       f"fragmentation: keep about {memory.RESERVE_GIB:.0f} GiB a device free for them.\n")
 
 
-def main(run: RunConfig, world_size: Optional[int] = None, out: TextIO = sys.stdout) -> int:
+def _gib(n: float) -> str:
+    return fmt_bytes(n, "GiB")
+
+
+def main(run: RunConfig, world_size: Optional[int] = None, out: TextIO = sys.stdout, *,
+         check: Check) -> int:
     """Returns the process exit status."""
     world_size = world_size_of(run) if world_size is None else world_size
     try:
@@ -111,7 +113,7 @@ def main(run: RunConfig, world_size: Optional[int] = None, out: TextIO = sys.std
 
 
 def verdict(run: RunConfig, label: str, world_size: Optional[int] = None,
-            out: TextIO = sys.stdout) -> int:
+            out: TextIO = sys.stdout, *, check: Check) -> int:
     """One line for one point of a multirun dry run: ``[ok] <label>`` or
     ``[error] <label>: <what to change>``. Returns the exit status of that point."""
     world_size = world_size_of(run) if world_size is None else world_size

@@ -51,11 +51,13 @@ from dataclasses import dataclass
 from typing import List
 
 from depthmix.config.schema import RunConfig
+from depthmix.config.validate import data_parallel_size
+from depthmix.planning.flops import mixer_of, stored_layer_params
+from depthmix.planning.pipeline import PipelineLayout, geometry_of
+from depthmix.planning.shape import Shape
 
 RESERVE_GIB = 4.0
 """Left free on every device for the CUDA context, NCCL buffers and fragmentation."""
-
-
 
 
 def activation_bytes_of(precision: str) -> int:
@@ -70,25 +72,25 @@ def state_bytes_per_param(precision: str, distributed_optimizer: bool, dp: int) 
             "optimizer": optim / dp if distributed_optimizer else optim}
 
 
-def vanilla_layer_elems(x, tp: int, sp: bool, micro_batch: int) -> float:
+def vanilla_layer_elems(x: Shape, tp: int, sp: bool, micro_batch: int) -> float:
     """Elements per token one decoder layer saves (module doc), on one TP rank."""
     t = tp if sp else 1
-    heads, kv, dh = x.heads / tp, x.kv_heads / tp, x.head_dim
-    norms = 2 * (3 * x.hidden + 1) / t
-    if x.qk_norm:
+    heads, kv, dh = x.num_attention_heads / tp, x.num_query_groups / tp, x.kv_channels
+    norms = 2 * (3 * x.hidden_size + 1) / t
+    if x.qk_layernorm:
         attention = 5 * heads * dh + 4 * kv * dh + 2 * heads + kv
     else:
         attention = 3 * heads * dh + 2 * kv * dh + heads
     rope = 4 * dh / micro_batch
-    swa = (3 * x.hidden + 1) / t + attention + rope if x.swa_window > 0 else 0.0
-    return norms + attention + 5 * x.ffn / tp + rope + swa
+    swa = (3 * x.hidden_size + 1) / t + attention + rope if x.short_swa_window > 0 else 0.0
+    return norms + attention + 5 * x.ffn_hidden_size / tp + rope + swa
 
 
-def head_bytes_per_token(x, tp: int, sp: bool, act: int) -> float:
+def head_bytes_per_token(x: Shape, tp: int, sp: bool, act: int) -> float:
     """Final norm and logits (an fp32 copy for the loss unless already fp32)."""
     t = tp if sp else 1
-    logits = x.vocab / tp * (act if act == 4 else act + 4)
-    return (3 * x.hidden + 1) / t * act + logits
+    logits = x.vocab_size / tp * (act if act == 4 else act + 4)
+    return (3 * x.hidden_size + 1) / t * act + logits
 
 
 def inflight_microbatches(pp: int, vp: int, pp_rank: int, num_micro: int) -> int:
@@ -124,10 +126,10 @@ class RankMemory:
         return self.state_bytes + self.activation_bytes + self.p2p_buffer_bytes
 
 
-def _chunk_of_layer(x, layout):
+def _chunk_of_layer(x: Shape, layout: PipelineLayout):
     """Unrolled layer -> its pipeline chunk (a looped model's loops share the stored layer)."""
     per = layout.layers_per_chunk
-    return lambda u: (u % x.stored_layers) // per
+    return lambda u: (u % x.num_layers) // per
 
 
 def _recompute_inputs(geometry, chunk: int, chunk_layers: List[int], elem: int,
@@ -158,36 +160,31 @@ _GEOMETRIES: dict = {}
 _RECOMPUTE_INPUTS: dict = {}
 
 
-def _geometry(run: RunConfig, config, layout):
+def _geometry(run: RunConfig, config, layout: PipelineLayout):
     """The transport's geometry (cached: the planner asks for thousands of layouts)."""
-    from depthmix.planning import flops as acc
-
     p = run.parallel
     key = (repr(run.model), repr(run.mixer), layout, p.tp, p.sequence_parallel)
     if key not in _GEOMETRIES:
-        _GEOMETRIES[key] = acc._geometry(run, config, layout)
+        _GEOMETRIES[key] = geometry_of(config, layout, p.tp)
     return _GEOMETRIES[key]
 
 
 def estimate(run: RunConfig, world_size: int, config=None) -> List[RankMemory]:
-    """Per pipeline rank (all TP/DP ranks of a stage are alike); see the module doc."""
-    from depthmix.config.validate import data_parallel_size
-    from depthmix.planning.pipeline import PipelineLayout
-    from depthmix.planning import flops as acc
-
+    """Per pipeline rank (all TP/DP ranks of a stage are alike); see the module doc.
+    ``config``: what the mixer's hooks read (default the run's :class:`Shape`)."""
     p, t = run.parallel, run.train
-    x = acc.Shape.of(run)
+    x = Shape.of(run)
     tp, pp, vp, sp = p.tp, p.pp, p.vp or 1, p.sequence_parallel
     dp = data_parallel_size(run, world_size)
-    config = config if config is not None else acc._plan_config(run)
-    mixer = acc._mixer(run)
+    config = config if config is not None else x
+    mixer = mixer_of(run)
     extra = mixer.extra_params(config, tp)
     saved = mixer.saved_activations(config, tp, t.micro_batch_size)
-    layout = PipelineLayout(x.stored_layers, pp, vp)
-    per_layer_params = acc._stored_layer_params(x, tp, extra)
+    layout = PipelineLayout(x.num_layers, pp, vp)
+    per_layer_params = stored_layer_params(x, tp, extra)
     act = activation_bytes_of(t.precision)
     b = t.micro_batch_size
-    tokens = b * x.seq
+    tokens = b * x.seq_length
     num_micro = t.global_batch_size // (b * dp)
     geometry = _geometry(run, config, layout)
     views = mixer.view_entries(config, tp)
@@ -195,7 +192,7 @@ def estimate(run: RunConfig, world_size: int, config=None) -> List[RankMemory]:
     chunk_of = _chunk_of_layer(x, layout)
     vanilla = vanilla_layer_elems(x, tp, sp, b)
     layer_bytes = {u: (vanilla + saved.layers.get(u, 0.0)) * tokens * act
-                   for u in range(x.layers)}
+                   for u in range(x.unrolled_layers)}
     recompute = p.recompute == "full"
 
     out = []
@@ -207,7 +204,7 @@ def estimate(run: RunConfig, world_size: int, config=None) -> List[RankMemory]:
             first, last = c == 0, c == layout.num_chunks - 1
             layers = layout.layers(c)
             params += sum(per_layer_params[i] for i in layers)
-            unrolled = [u for u in range(x.layers) if chunk_of(u) == c]
+            unrolled = [u for u in range(x.unrolled_layers) if chunk_of(u) == c]
             if recompute:
                 key = (id(geometry), c, act, b)
                 if key not in _RECOMPUTE_INPUTS:
@@ -218,10 +215,10 @@ def estimate(run: RunConfig, world_size: int, config=None) -> List[RankMemory]:
             else:
                 held = sum(layer_bytes[u] for u in unrolled)
             if first:
-                params += x.vocab * x.hidden // tp + extra.stem
+                params += x.vocab_size * x.hidden_size // tp + extra.stem
                 held += 8 * tokens  # token ids
             if last:
-                params += x.vocab * x.hidden // tp + x.hidden + extra.head
+                params += x.vocab_size * x.hidden_size // tp + x.hidden_size + extra.head
                 head_bytes = (head_bytes_per_token(x, tp, sp, act) + saved.head * act) * tokens
             else:
                 payload = max(payload, geometry.payload_bytes(c + 1, b, act))

@@ -25,6 +25,11 @@ import sys
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
+from depthmix.planning.flops import flops_per_token, mixer_of
+from depthmix.planning.pipeline import PipelineLayout, geometry_of
+from depthmix.planning.shape import Shape
+from depthmix.planning.units import fmt_bytes, human
+
 
 @dataclass
 class Overheads:
@@ -48,52 +53,38 @@ class Overheads:
 
 def overheads(run, prefill: int = 131072, element_size: int = 2) -> Overheads:
     """Extra costs of ``run``'s mixer over the vanilla decoder of the same model."""
-    from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.planning.pipeline import PipelineLayout
-    from depthmix.mixers import get_mixer
     from depthmix.mixers.base import state_per_token
-    from depthmix.megatron_ext.transport import geometry_of
-    from depthmix.planning import flops as accounting
 
-    config = to_transformer_config(run)
-    mixer = get_mixer(run.mixer.name)
-    flops = accounting.flops_per_token(run, config)
+    shape = Shape.of(run)
+    mixer = mixer_of(run)
+    flops = flops_per_token(run)
     vanilla_forward = flops["forward"] - flops["mixer"]
     p = run.parallel
-    layout = PipelineLayout(config.num_layers, p.pp, p.vp or 1)
-    geometry = geometry_of(config, layout, p.tp)
-    hidden_rows = config.seq_length // (p.tp if p.sequence_parallel else 1)
-    vanilla_payload = hidden_rows * config.hidden_size * element_size
+    layout = PipelineLayout(shape.num_layers, p.pp, p.vp or 1)
+    geometry = geometry_of(shape, layout, p.tp)
+    hidden_rows = shape.seq_length // (p.tp if p.sequence_parallel else 1)
+    vanilla_payload = hidden_rows * shape.hidden_size * element_size
     pipeline = max((geometry.payload_bytes(c, 1, element_size) - vanilla_payload
                     for c in range(1, layout.num_chunks)), default=0)
     return Overheads(
         mixer=run.mixer.name,
-        layers=config.unrolled_layers,
+        layers=shape.unrolled_layers,
         flops_per_token=flops["mixer"],
         flops_share=flops["mixer"] / vanilla_forward,
-        io_bytes_per_token=float(mixer.extra_io_per_token(config)) * element_size,
-        state_bytes=state_per_token(mixer, config) * prefill * element_size,
-        params=mixer.extra_params(config, 1).total,
+        io_bytes_per_token=float(mixer.extra_io_per_token(shape)) * element_size,
+        state_bytes=state_per_token(mixer, shape) * prefill * element_size,
+        params=mixer.extra_params(shape, 1).total,
         pipeline_bytes=pipeline,
     )
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
 def table(rows: List[Overheads], prefill: int) -> str:
-    from depthmix.planning.flops import human
-
     head = ("mixer", "FLOPs/layer", "FLOPs/token", "% of model", "I/O per layer",
             "I/O per token", f"state @{prefill // 1024}K", "params", "pipeline/boundary")
     body = [(r.mixer, human(r.flops_per_layer), human(r.flops_per_token),
-             f"{100 * r.flops_share:.4f}%", _size(r.io_bytes_per_layer),
-             _size(r.io_bytes_per_token), _size(r.state_bytes), human(r.params),
-             _size(r.pipeline_bytes)) for r in rows]
+             f"{100 * r.flops_share:.4f}%", fmt_bytes(r.io_bytes_per_layer),
+             fmt_bytes(r.io_bytes_per_token), fmt_bytes(r.state_bytes), human(r.params),
+             fmt_bytes(r.pipeline_bytes)) for r in rows]
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in (head, *body)]
     return "\n".join(lines)

@@ -22,8 +22,9 @@ layouts whose every pipeline rank fits the device memory less a reserve
 
 Nothing is overlapped (Megatron's defaults here: no TP/DP overlap), so the sum is an
 upper bound a tuned run beats; the ranking is what the planner is for. Cluster defaults
-(:data:`GPU_KINDS`) are data-sheet peaks and bandwidths and an achievable MFU; override
-any with ``cluster.<field>=``.
+(:data:`GPU_KINDS`) are the device table's peaks, memory and bandwidths
+(:mod:`depthmix.planning.hardware`) and an achievable MFU; override any with
+``cluster.<field>=``.
 """
 
 from __future__ import annotations
@@ -34,40 +35,37 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, TextIO
 
 from depthmix.config.schema import ConfigError, RunConfig
-from depthmix.planning import memory
+from depthmix.config.validate import validate
+from depthmix.planning import hardware, memory
+from depthmix.planning.flops import flops_per_token
+from depthmix.planning.units import GIB, fmt_bytes
 
 EXIT_NO_FIT = 2
-GIB = 2**30
 
 
 @dataclass(frozen=True)
 class GpuKind:
-    """One node type (defaults from the vendors' data sheets; MFU is what a tuned
-    Megatron run of this size reaches, not a peak)."""
+    """One node type: a device of :mod:`depthmix.planning.hardware` and the MFU a tuned
+    Megatron run of this size reaches (not a peak)."""
 
     name: str
     memory_gib: float
-    """Device memory as the driver reports it."""
     peak_tflops: float
     """Dense bf16/fp16 tensor-core peak."""
     mfu: float
     """Achievable model FLOPs utilisation of the compute term."""
     nvlink_gbs: float
-    """Per GPU, one direction, inside a node (GB/s)."""
     network_gbs: float
-    """Per GPU between nodes (GB/s): the node's NICs over its GPUs."""
-    gpus_per_node: int = 8
+    gpus_per_node: int
+
+    @classmethod
+    def of(cls, device: hardware.Device, mfu: float) -> "GpuKind":
+        return cls(device.name, device.memory_gib, device.tflops["bf16"], mfu,
+                   device.nvlink_gbs, device.network_gbs, device.gpus_per_node)
 
 
-GPU_KINDS = {
-    # H100 SXM5: 80 GB HBM3, 989 TFLOP/s bf16 dense, NVLink 4 900 GB/s (both directions),
-    # 8 x 400 Gb/s NDR InfiniBand per node.
-    "h100": GpuKind("H100 SXM 80GB", 79.6, 989.4, 0.40, 450.0, 50.0),
-    # H200 SXM: 141 GB HBM3e, the H100's compute and NVLink, same network.
-    "h200": GpuKind("H200 SXM 141GB", 140.4, 989.4, 0.40, 450.0, 50.0),
-    # A100 SXM4 80GB: 312 TFLOP/s bf16 dense, NVLink 3 600 GB/s, 8 x 200 Gb/s HDR.
-    "a100": GpuKind("A100 SXM 80GB", 80.0, 312.0, 0.45, 300.0, 25.0),
-}
+GPU_KINDS = {"h100": GpuKind.of(hardware.H100, 0.40), "h200": GpuKind.of(hardware.H200, 0.40),
+             "a100": GpuKind.of(hardware.A100, 0.45)}
 
 
 @dataclass
@@ -111,12 +109,13 @@ class Layout:
     distributed_optimizer: bool
 
     def apply(self, run: RunConfig, gpus: int) -> RunConfig:
-        run = dataclasses.replace(run, parallel=dataclasses.replace(
+        parallel = dataclasses.replace(
             run.parallel, tp=self.tp, pp=self.pp, vp=self.vp, dp=None,
             sequence_parallel=self.sequence_parallel,
             distributed_optimizer=self.distributed_optimizer, recompute=self.recompute,
-            world_size=gpus), train=dataclasses.replace(run.train, micro_batch_size=self.micro_batch))
-        return run
+            world_size=gpus)
+        train = dataclasses.replace(run.train, micro_batch_size=self.micro_batch)
+        return dataclasses.replace(run, parallel=parallel, train=train)
 
     def overrides(self, gpus: int) -> List[str]:
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
@@ -160,9 +159,7 @@ def _divisors(n: int) -> List[int]:
 
 
 def layouts(run: RunConfig, cluster: Cluster) -> List[Layout]:
-    """Every layout the training config accepts at ``cluster.gpus`` (the preflight's rules)."""
-    from depthmix.config.validate import validate as validate_world
-
+    """Every layout the training config accepts at ``cluster.gpus`` (the option checks)."""
     m, t, kind = run.model, run.train, cluster.kind()
     out = []
     for tp in _divisors(min(kind.gpus_per_node, cluster.gpus)):
@@ -182,14 +179,12 @@ def layouts(run: RunConfig, cluster: Cluster) -> List[Layout]:
                     for distopt in ([False, True] if dp > 1 else [False]):
                         for rc in ("none", "full"):
                             out.append(Layout(tp, pp, vp, dp, mb, rc, sp, distopt))
-    out = [lay for lay in out if _accepted(validate_world, lay.apply(run, cluster.gpus),
-                                           cluster.gpus)]
-    return out
+    return [lay for lay in out if _accepted(lay.apply(run, cluster.gpus), cluster.gpus)]
 
 
-def _accepted(check, run, gpus) -> bool:
+def _accepted(run: RunConfig, gpus: int) -> bool:
     try:
-        check(run, gpus)
+        validate(run, gpus)
     except ConfigError:
         return False
     return True
@@ -231,11 +226,9 @@ class NoFit(Exception):
 def plan(run: RunConfig, cluster: Cluster):
     """``(fitting candidates fastest first, every candidate evaluated)``; raises
     :class:`NoFit` naming the shortfall when nothing fits."""
-    from depthmix.planning import flops as acc
-
     kind = cluster.kind()
     budget = (kind.memory_gib - cluster.reserve_gib) * GIB
-    flops = acc.flops_per_token(run)["train"]
+    flops = flops_per_token(run)["train"]
     everyone = []
     for lay in layouts(run, cluster):
         r = lay.apply(run, cluster.gpus)
@@ -257,18 +250,20 @@ def plan(run: RunConfig, cluster: Cluster):
         raise NoFit(
             f"fits on no layout of {cluster.gpus} x {kind.name} ({kind.memory_gib:.1f} GiB, "
             f"{cluster.reserve_gib:.1f} GiB reserve): the smallest need is "
-            f"{best.peak_bytes / GIB:.1f} GiB on pp rank {p.pp_rank} of "
-            f"{best.layout.short()} (weights+grads+optimizer {p.state_bytes / GIB:.1f} GiB, "
-            f"activations {p.activation_bytes / GIB:.1f} GiB, pipeline buffers "
-            f"{p.p2p_buffer_bytes / GIB:.1f} GiB); memory is short by "
-            f"{(best.peak_bytes - budget) / GIB:.1f} GiB per GPU")
+            f"{_gib(best.peak_bytes)} on pp rank {p.pp_rank} of {best.layout.short()} "
+            f"(weights+grads+optimizer {_gib(p.state_bytes)}, activations "
+            f"{_gib(p.activation_bytes)}, pipeline buffers {_gib(p.p2p_buffer_bytes)}); "
+            f"memory is short by {_gib(best.peak_bytes - budget)} per GPU")
     return fitting, everyone
+
+
+def _gib(n: float) -> str:
+    return fmt_bytes(n, "GiB", digits=1)
 
 
 def why_slower(loser: Candidate, winner: Candidate) -> str:
     if loser.step_seconds <= winner.step_seconds * 1.001:
-        return (f"same time, {(loser.peak_bytes - winner.peak_bytes) / GIB:.1f} GiB more "
-                "memory")
+        return f"same time, {_gib(loser.peak_bytes - winner.peak_bytes)} more memory"
     deltas = {k: loser.seconds[k] - winner.seconds[k] for k in TERMS}
     term = max(deltas, key=deltas.get)
     return f"+{deltas[term]:.3f} s {term}"
@@ -297,7 +292,7 @@ def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
     if too_big:
         w(f"{len(too_big)} layouts need more than the budget (e.g. "
           f"{min(too_big, key=lambda c: c.step_seconds).layout.short()}: "
-          f"{min(too_big, key=lambda c: c.step_seconds).peak_bytes / GIB:.1f} GiB)\n")
+          f"{_gib(min(too_big, key=lambda c: c.step_seconds).peak_bytes)})\n")
     w("\nchosen:\n  depthmix-train " + " ".join([*argv, *win.layout.overrides(cluster.gpus)])
       + "\n")
     return win

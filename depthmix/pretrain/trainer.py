@@ -20,6 +20,7 @@ from depthmix.pretrain.callbacks import Callback, ConsoleLogger
 from depthmix.pretrain.health import HealthGuard
 from depthmix.pretrain.optim import build_optimizer
 from depthmix.pretrain.parallelize import build_model, init_distributed
+from depthmix.runtime.device import device_name
 from depthmix.runtime.log import say
 from depthmix.pretrain.state import TrainState
 from depthmix.pretrain.step import StepResult, eval_step, take, train_step
@@ -53,7 +54,7 @@ class Trainer:
 
         t = run.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.topo.dp)
-        self.meter = ThroughputMeter.of(run, self.config, self.topo.world_size)
+        self.meter = ThroughputMeter.of(run, self.config, self.topo.world_size, device_name())
         self.last: Optional[StepResult] = None
         self.state = TrainState.fresh(ckpt.default_save_dir(run))
         self.resume()  # before the callbacks and the data, which start from its state

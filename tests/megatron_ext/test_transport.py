@@ -9,9 +9,9 @@ import torch
 
 from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.planning.depth_plan import STEM
-from depthmix.planning.pipeline import PipelineLayout
+from depthmix.planning.pipeline import PipelineLayout, geometry_of
 from depthmix.mixers import available
-from depthmix.megatron_ext.transport import DepthStateCache, DepthTransport, geometry_of
+from depthmix.megatron_ext.transport import DepthStateCache, DepthTransport
 from depthmix.testing import tiny_run
 
 LAYERS = 8

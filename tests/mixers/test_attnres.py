@@ -20,9 +20,8 @@ from resop_reference import (
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
 from depthmix.planning.depth_plan import DepthPlan
-from depthmix.planning.pipeline import PipelineLayout
+from depthmix.planning.pipeline import PipelineLayout, TransportGeometry
 from depthmix.mixers.attnres.model import AttnResGeometry
-from depthmix.megatron_ext.transport import TransportGeometry
 from depthmix.testing import build_model, tiny_run
 
 F64 = torch.float64

@@ -248,8 +248,7 @@ def test_pipeline_bytes_formula(pp, stride, live):
     """Payload per transition = the residual stream + 2 * |live sources| * s * b * ng/tp * hn
     elements (docs/methods/depth_attn.md), straight from the plan. ``live``: chunk ->
     number of sources written before the chunk and read in or after it."""
-    from depthmix.planning.pipeline import PipelineLayout
-    from depthmix.megatron_ext.transport import geometry_of
+    from depthmix.planning.pipeline import PipelineLayout, geometry_of
 
     run = make_run(stride=stride)
     run.parallel.pp = pp

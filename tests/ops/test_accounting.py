@@ -2,7 +2,6 @@
 the built model (whole and per pipeline stage and TP rank, every mixer), the peak-FLOP
 table, MFU arithmetic and the pipeline in-flight formula."""
 
-import types
 from functools import lru_cache
 
 import pytest
@@ -55,7 +54,7 @@ def test_mixer_hook_is_added(monkeypatch):
                          extra_flops_per_token=lambda config: 1000.0 * config.num_layers,
                          extra_params=lambda config, tp=1: base.ExtraParams(
                              layers=tuple(range(config.num_layers)), stem=7, head=11))
-    monkeypatch.setattr(acc, "_mixer", lambda run: patched)
+    monkeypatch.setattr(acc, "mixer_of", lambda run: patched)
     f = acc.flops_per_token(run)
     assert f["mixer"] == 4000.0 and f["train"] == plain["train"] + 3 * 4000.0
     assert acc.total_params(run) == plain_params + (0 + 1 + 2 + 3) + 7 + 11

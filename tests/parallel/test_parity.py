@@ -91,8 +91,7 @@ def test_layout_matches_single_rank(mixer, layout, reference, layout_results):
 def test_bytes_sent_follow_the_plan(mixer, layout, layout_results):
     """Payload bytes each chunk packed = the transport's per-transition formula."""
     from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.planning.pipeline import PipelineLayout
-    from depthmix.megatron_ext.transport import geometry_of
+    from depthmix.planning.pipeline import PipelineLayout, geometry_of
 
     world, parallel = LAYOUTS[layout]
     run = make_run(mixer, **parallel)

@@ -8,6 +8,7 @@ import pytest
 from depthmix.config.load import compose_run
 from depthmix.planning import flops as acc
 from depthmix.planning import dry_run, planner as plan
+from depthmix.pretrain.preflight import preflight
 
 TINY = ["model=tiny", "train.global_batch_size=8", "train.precision=bf16"]
 
@@ -63,5 +64,5 @@ def test_printed_overrides_compose_and_pass_the_dry_run():
     run = compose_run(*words[1:])
     assert run.parallel.world_size == 8
     report = io.StringIO()
-    assert dry_run.main(run, out=report) == 0
+    assert dry_run.main(run, out=report, check=preflight) == 0
     assert "dry run OK for world size 8" in report.getvalue()

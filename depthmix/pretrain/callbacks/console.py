@@ -30,7 +30,7 @@ class ConsoleLogger(Callback):
             self._emit(trainer, line)
 
     def post_step(self, trainer, result) -> None:
-        from depthmix.planning.flops import memory_stats
+        from depthmix.runtime.device import memory_stats
 
         t, perf = trainer.run.train, result.perf
         if perf is None or not trainer.topo.is_logging_rank:  # not a log step

@@ -105,7 +105,7 @@ class WandbLogger(Callback):
 
     # ---- events -------------------------------------------------------------------------
     def post_step(self, trainer, result) -> None:
-        from depthmix.planning.flops import memory_stats
+        from depthmix.runtime.device import memory_stats
 
         lg = trainer.run.logger
         if lg.depth_stats_interval and trainer.step % lg.depth_stats_interval == 0:
