@@ -1,12 +1,24 @@
-"""Package layering: production code does not depend on the test helpers."""
+"""Package layering, from the module-level imports of ``depthmix/`` (parsed with ``ast``:
+those under ``if``/``try``/``with`` and in class bodies count, those in function bodies do
+not): production code does not depend on the test helpers, no module imports itself back,
+``config`` and ``planning`` sit below ``megatron_ext``, ``data`` and ``pretrain``, and
+importing them loads neither Megatron nor (``planning``) torch."""
 
 import ast
+import json
 import pathlib
+import subprocess
+import sys
+import textwrap
+from functools import lru_cache
+from typing import Dict, List, Optional, Set
 
 import depthmix
 
 ROOT = pathlib.Path(depthmix.__file__).parent
 HELPERS = "depthmix.testing"
+LOWER = ("depthmix.config", "depthmix.planning")
+UPPER = ("depthmix.megatron_ext", "depthmix.data", "depthmix.pretrain")
 
 
 def imported_modules(path: pathlib.Path):
@@ -26,3 +38,236 @@ def test_production_code_does_not_import_the_test_helpers():
         and any(m == HELPERS or m.startswith(HELPERS + ".") for m in imported_modules(path))
     ]
     assert not offenders, f"{HELPERS} is imported by {offenders}"
+
+
+# ---------------------------------------------------------------------------------------
+# The module-level import graph
+# ---------------------------------------------------------------------------------------
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(tree: ast.Module):
+    """Import statements that run when the module is imported (not inside functions)."""
+    todo: List[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(n for n in ast.iter_child_nodes(node) if isinstance(n, ast.stmt)
+                        or isinstance(n, ast.excepthandler))
+
+
+def _ancestors(module: str) -> List[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+@lru_cache(maxsize=None)
+def _files() -> Dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+@lru_cache(maxsize=None)
+def import_graph() -> Dict[str, Dict[str, int]]:
+    """``{module: {imported depthmix module: line}}``. Importing ``a.b.c`` runs ``a`` and
+    ``a.b`` first: those count too, unless they enclose the importing module."""
+    files = _files()
+    graph = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges: Dict[str, int] = {}
+        for node in _top_level_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            for name in names:
+                for target in [*_ancestors(name), name]:
+                    if target in files and target != module and target not in _ancestors(module):
+                        edges.setdefault(target, node.lineno)
+        graph[module] = edges
+    return graph
+
+
+def _path(graph, start: str, goal) -> Optional[List[str]]:
+    """Shortest chain of imports from ``start`` to a module ``goal`` accepts (``start``
+    itself included: a cycle)."""
+    parent: Dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for m in frontier:
+            for t in sorted(graph.get(m, ())):
+                if t in parent:
+                    continue
+                parent[t] = m
+                if goal(t):
+                    chain, node = [t], parent[t]
+                    while node != start:
+                        chain.append(node)
+                        node = parent[node]
+                    return [start, *chain[::-1]]
+                nxt.append(t)
+        frontier = nxt
+    return None
+
+
+def _describe(graph, chain: List[str]) -> str:
+    """``a (depthmix/a.py:12) -> b (...) -> c``: each import with where it is written."""
+    files = _files()
+    steps = [f"{a} ({files[a].relative_to(ROOT.parent)}:{graph[a][b]})"
+             for a, b in zip(chain, chain[1:])]
+    return " -> ".join([*steps, chain[-1]])
+
+
+def _cycles(graph) -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    out = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, iter(sorted(graph[root])))]
+        while work:
+            v, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[v] = min(low[v], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_graph_sees_imports_under_if_and_try_but_not_in_functions():
+    tree = ast.parse(textwrap.dedent("""
+        import a
+        if x:
+            from b import c
+        try:
+            import d
+        except ImportError:
+            import e
+        class K:
+            import f
+        def g():
+            import h
+    """))
+    names = {alias.name for node in _top_level_imports(tree) for alias in node.names}
+    assert names == {"a", "c", "d", "e", "f"}
+    graph = import_graph()
+    # a module, the package it sits in (run first), not the importer's own package
+    assert {"depthmix.config", "depthmix.config.schema"} <= set(graph["depthmix.planning.shape"])
+    assert "depthmix.planning" not in graph["depthmix.planning.shape"]
+    loop = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}}
+    assert _cycles(loop) == [["a", "b", "c"]] and not _cycles({"a": {"b": 1}, "b": {}})
+    assert _path(loop, "a", lambda t: t == "a") == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    cycles = [_path({m: graph[m] for m in component}, component[0],
+                    lambda t, first=component[0]: t == first)
+              for component in _cycles(graph)]
+    assert not cycles, "module-level import cycles:\n" + "\n".join(
+        _describe(graph, chain) for chain in cycles)
+
+
+def test_config_and_planning_import_nothing_above_them():
+    """Not directly and not through another module: a chain of module-level imports from
+    ``config`` or ``planning`` to ``megatron_ext``, ``data`` or ``pretrain`` is named."""
+    graph = import_graph()
+    chains = [_path(graph, m, lambda t: t.startswith(UPPER))
+              for m in sorted(graph) if m.startswith(LOWER)]
+    offending = [_describe(graph, chain) for chain in chains if chain]
+    assert not offending, "imports against the layering:\n" + "\n".join(offending)
+
+
+# ---------------------------------------------------------------------------------------
+# What importing a package loads (a fresh interpreter)
+# ---------------------------------------------------------------------------------------
+
+_PROBE = textwrap.dedent("""
+    import importlib, json, pkgutil, sys, traceback
+
+    package, forbidden = sys.argv[1], sys.argv[2].split(",")
+    seen = {}
+
+    class Watch:
+        def find_spec(self, name, path=None, target=None):
+            top = name.partition(".")[0]
+            if top in forbidden and top not in seen:
+                frames = [f for f in traceback.extract_stack()
+                          if "/depthmix/" in f.filename.replace("\\\\", "/")]
+                seen[top] = [f"{f.filename}:{f.lineno}: {f.line}" for f in frames]
+            return None
+
+    sys.meta_path.insert(0, Watch())
+    root = importlib.import_module(package)
+    modules = [package] + [m.name for m in pkgutil.walk_packages(root.__path__, package + ".")]
+    for name in modules:
+        importlib.import_module(name)
+    print(json.dumps({"modules": modules, "loaded": seen}))
+""")
+
+
+def _loaded(package: str, forbidden: List[str]) -> dict:
+    done = subprocess.run([sys.executable, "-c", _PROBE, package, ",".join(forbidden)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _explain(loaded: dict) -> str:
+    return "\n".join(f"{lib} is imported by:\n  " + "\n  ".join(chain or ["(outside depthmix)"])
+                     for lib, chain in loaded.items())
+
+
+def test_importing_planning_loads_neither_torch_nor_megatron():
+    found = _loaded("depthmix.planning", ["torch", "megatron"])
+    assert "depthmix.planning.memory" in found["modules"]
+    assert not found["loaded"], _explain(found["loaded"])
+
+
+def test_importing_config_loads_no_megatron():
+    found = _loaded("depthmix.config", ["megatron"])
+    assert "depthmix.config.load" in found["modules"]
+    assert not found["loaded"], _explain(found["loaded"])
+
+
+def test_the_probe_names_the_import_that_loads_a_library():
+    found = _loaded("depthmix.runtime", ["psutil"])
+    chain = found["loaded"]["psutil"]
+    assert chain and all("/depthmix/runtime/" in line for line in chain), chain

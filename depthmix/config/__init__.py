@@ -1,21 +1,3 @@
-"""Typed run configuration: Hydra structured configs, start-up validation, Megatron mapping."""
-
-from depthmix.config.schema import (
-    ConfigError,
-    DataConfig,
-    LoggerConfig,
-    ModelConfig,
-    ParallelConfig,
-    RunConfig,
-    TrainConfig,
-)
-
-__all__ = [
-    "ConfigError",
-    "DataConfig",
-    "LoggerConfig",
-    "ModelConfig",
-    "ParallelConfig",
-    "RunConfig",
-    "TrainConfig",
-]
+"""The run configuration: typed dataclasses (``schema``), Hydra's config store (``store``),
+loading a composed config into them (``load``) and the option checks (``validate``).
+Nothing here imports Megatron."""
