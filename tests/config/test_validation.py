@@ -9,6 +9,20 @@ from depthmix.pretrain.preflight import preflight
 from depthmix.config.validate import validate
 
 
+def test_derived_model_sizes():
+    """The head width defaults to hidden / heads; the vocabulary is padded up to a multiple
+    of make_vocab_size_divisible_by, not of TP (the initial weights must not depend on the
+    layout)."""
+    from depthmix.config.schema import ModelConfig
+
+    m = ModelConfig(hidden_size=2048, num_attention_heads=16, vocab_size=50257)
+    assert m.kv_channels == 128 and m.padded_vocab_size == 50304
+    m.head_dim, m.make_vocab_size_divisible_by, m.vocab_size = 96, 64, 50304
+    assert m.kv_channels == 96 and m.padded_vocab_size == 50304
+    run = compose_run("model.vocab_size=300", "model.make_vocab_size_divisible_by=64",
+                      "parallel=tp2")
+    assert run.model.padded_vocab_size == 320  # 384 would be a multiple of 64 * tp
+    validate(run, world_size=2)
 
 
 def test_default_config_is_valid():

@@ -77,6 +77,7 @@ def test_peak_table_and_mfu():
     assert acc.device_peak_tflops(run, "NVIDIA H200") == 989.4
     assert acc.device_peak_tflops(run, "NVIDIA A100-SXM4-80GB") == 312.0
     assert acc.device_peak_tflops(run, "Some CPU") is None
+    assert acc.device_peak_tflops(run, None) is None  # no GPU
     run.train.peak_tflops = 100.0
     assert acc.device_peak_tflops(run, "NVIDIA H100") == 100.0
     meter = acc.ThroughputMeter(6e9, 100.0, tokens_per_step=1000, world_size=4)
