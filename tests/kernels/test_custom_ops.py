@@ -54,7 +54,7 @@ def test_attnres(norm):
 
 @pytest.mark.parametrize("variant", ["mhc", "identity"])
 def test_mhc(variant):
-    from depthmix.kernels.mhc import coefficient_width
+    from depthmix.mixers.mhc import coefficient_width
 
     select("mhc", "triton")
     tokens, n, h = 7, 4, 32

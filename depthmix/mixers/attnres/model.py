@@ -39,18 +39,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from depthmix.mixers.attnres import (  # noqa: F401  (re-exported)
-    MIXER_BLOCK,
-    MIXER_FULL,
-    MIXERS,
-    AttnResConfig,
-    AttnResGeometry,
-    BlockAttnResConfig,
-    attnres_plan,
-    extra_flops_per_token,
-    extra_io_per_token,
-    extra_params,
-)
+from depthmix.mixers.attnres import AttnResGeometry
 from depthmix.kernels.attnres.two_phase import inter_block_partials, merge_partial
 from depthmix.kernels.dispatch import select
 from depthmix.megatron_ext.context import ForwardContext
