@@ -12,13 +12,13 @@ import os
 
 import pytest
 
+from depthmix.mixers import available
 from depthmix.planning import memory
 from depthmix.testing import spawn, tiny_run
 
 from memory_probe import probe_runs
 
-MIXERS = ["vanilla", "depth_attn", "mhc", "ddl", "attnres_full", "attnres_block",
-          "denseformer", "moda"]
+MIXERS = available()  # each at its defaults
 LAYOUTS = {
     "dp2_distopt": {"distributed_optimizer": True},
     "tp2_sp": {"tp": 2, "sequence_parallel": True},
