@@ -46,6 +46,7 @@ def register_search_path(path: str) -> None:
     path = os.path.abspath(path)
     if path not in _registered_paths:
         _registered_paths.append(path)
+    _mount(search_path())
 
 
 def search_path() -> Tuple[str, ...]:
@@ -54,12 +55,20 @@ def search_path() -> Tuple[str, ...]:
     return tuple(dict.fromkeys([BUILTIN, *extra, *_registered_paths]))
 
 
+def _mount(path: Tuple[str, ...]) -> None:
+    """``depthmix.mixers.<folder>`` imports from any folder on ``path`` (also when a child
+    process unpickles a config of a mixer from the search path)."""
+    if __path__ != list(path):
+        __path__[:] = path
+        importlib.invalidate_caches()
+
+
 def available() -> List[str]:
-    return sorted(_discover(search_path()))
+    return sorted(_mixers())
 
 
 def get_mixer(name: str) -> Mixer:
-    mixers = _discover(search_path())
+    mixers = _mixers()
     if name not in mixers:
         raise ConfigError(f"mixer={name!r} is unknown; choose one of {sorted(mixers)}"
                           f"{closest(name, mixers)}")
@@ -72,11 +81,15 @@ def has_yaml(name: str) -> bool:
     return os.path.isfile(os.path.join(YAML_DIR, f"{name}.yaml"))
 
 
+def _mixers() -> Dict[str, Mixer]:
+    path = search_path()
+    _mount(path)
+    return _discover(path)
+
+
 @functools.lru_cache(maxsize=None)
 def _discover(path: Tuple[str, ...]) -> Dict[str, Mixer]:
-    """Every mixer of the folders on ``path``, each checked (:func:`_check`)."""
-    __path__[:] = path  # depthmix.mixers.<folder> imports from any of them
-    importlib.invalidate_caches()
+    """Every mixer of the folders on ``path`` (mounted), each checked (:func:`_check`)."""
     found: Dict[str, Mixer] = {}
     homes: Dict[str, str] = {}
     for info in pkgutil.iter_modules(path):
@@ -138,3 +151,6 @@ def _check(mixer: Mixer, where: str) -> None:
     for check in CHECKS:
         if check not in covered and (check != "kernels" or mixer.kernels):
             refuse(f"has no variant for the {check!r} check")
+
+
+_mount(search_path())
