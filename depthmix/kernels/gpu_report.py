@@ -5,8 +5,9 @@ Which kernels, with which compile-time choices: each op's host launchers
 (``kernels/<op>/triton.py``) run, forward then backward, on ``meta`` tensors (shapes and
 dtypes, no data) at the full benchmark shapes of its ``bench.py`` (``gpu_launches``).
 While they run, every kernel of the module is swapped for a recorder
-(:func:`recorded_launches`), so what is kept is exactly what the launcher passes on a GPU: sizes, strides, pointer dtypes, constexprs
-(tiles, flags) and ``num_warps`` / ``num_stages``. An autotuned kernel is expanded into its
+(:func:`recorded_launches`), so what is kept is exactly what the launcher passes on a GPU:
+sizes, strides, pointer dtypes, constexprs (tiles, flags) and ``num_warps`` /
+``num_stages``. An autotuned kernel is expanded into its
 module's ``CUDA_CONFIGS``, pruned by the autotuner's own ``early_config_prune``. Launches
 that differ only in runtime arguments (another ``T``) compile once; the first benchmark
 shape that made them names them.

@@ -153,9 +153,10 @@ def test_help_lists_the_toy_without_torch(toy, toy_path):
 MATRICES = {
     "tests/mixers/test_conformance.py": {"test_incremental_decoding_matches_full_forward[toy]",
                                          "test_recompute_gives_identical_gradients[toy]"},
-    "tests/megatron_ext/test_transport.py": {"test_options_give_depth_state[toy]",
-                                             "test_sent_and_cached_split_the_live_state[toy-pp2xvp2]",
-                                             "test_packed_wire_carries_the_live_state[toy-pp4xvp2]"},
+    "tests/megatron_ext/test_transport.py": {
+        "test_options_give_depth_state[toy]",
+        "test_sent_and_cached_split_the_live_state[toy-pp2xvp2]",
+        "test_packed_wire_carries_the_live_state[toy-pp4xvp2]"},
     "tests/ops/test_accounting.py": {"test_parameter_count_matches_every_mixer[toy]",
                                      "test_mixer_flops_match_the_model[toy]",
                                      "test_every_mixer_adds_flops_and_params_at_3b"},

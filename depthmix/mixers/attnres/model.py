@@ -1,5 +1,5 @@
-"""Attention Residuals, Full and Block (seeds 001/002): softmax attention over depth
-replaces the residual sum.
+"""Attention Residuals, Full and Block (the Attention Residuals paper): softmax attention
+over depth replaces the residual sum.
 
 Sublayers are numbered ``i = 1..N`` over the unrolled model (``N = 2 * layers``; layer
 ``l``'s attention is ``2l + 1``, its MLP ``2l + 2``), ``y_0`` is the embedding output and
