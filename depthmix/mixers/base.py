@@ -111,9 +111,9 @@ The memory-model and overheads tests run every mixer at its defaults."""
 
 
 SUMMED = 1e-12
+"""``Variant.recompute_rtol`` where recomputation sums a gradient in another order (fp64)."""
 LOOPED = {"num_layers": 2, "n_loops": 2}
 """``Variant.model`` of a looped model: two stored layers, run twice."""
-"""``Variant.recompute_rtol`` where recomputation sums a gradient in another order (fp64)."""
 
 
 @dataclass(frozen=True)
