@@ -46,6 +46,28 @@ def tiny_run(mixer: str = "vanilla", **mixer_options) -> RunConfig:
     return run
 
 
+def variant_cases(check: str) -> list:
+    """``(test id, mixer, Variant)`` for every variant of every registered mixer that runs
+    in ``check`` (:data:`depthmix.mixers.base.CHECKS`); ``kernels``: mixers with kernels."""
+    from depthmix.mixers import available, get_mixer
+
+    out = []
+    for name in available():
+        mixer = get_mixer(name)
+        if check != "kernels" or mixer.kernels:
+            out += [(v.id_for(name), name, v) for v in mixer.variants if check in v.checks]
+    return out
+
+
+def variant_run(mixer: str, variant) -> RunConfig:
+    """:func:`tiny_run` at a :class:`~depthmix.mixers.base.Variant`: its mixer options, then
+    its model fields."""
+    run = tiny_run(mixer, **variant.options)
+    for key, value in variant.model.items():
+        setattr(run.model, key, value)
+    return run
+
+
 def build_model(run: RunConfig, dtype: Optional[torch.dtype] = None):
     """Build the whole model on one rank (call :func:`init_single_process` first)."""
     from depthmix.megatron_ext.config import to_transformer_config

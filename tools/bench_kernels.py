@@ -16,7 +16,6 @@ plumbing; CPU times say nothing about GPU kernels.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import time
@@ -24,8 +23,7 @@ from typing import Callable, List
 
 import torch
 
-OPS = ["depth_mix", "moda_attention", "attnres", "mhc"]
-
+from depthmix import kernels
 
 def _sync():
     if torch.cuda.is_available():
@@ -60,7 +58,7 @@ def measure(fn: Callable, make_inputs: Callable, backward: bool, reps: int, warm
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--ops", default=",".join(kernels.ops()), help="comma list (default: all)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (default without CUDA)")
@@ -79,12 +77,7 @@ def main():
     header = f"{'op':<16}{'shape':<34}{'candidate':<14}{'fwd ms':>9}{'f+b ms':>9}{'f+b/base':>10}{'peak MiB':>10}"
     print(header)
     for op in args.ops.split(","):
-        try:
-            bench = importlib.import_module(f"depthmix.kernels.{op}.bench")
-        except ModuleNotFoundError as e:
-            print(f"{op:<16}(no benchmark: {e.name})")
-            continue
-        for case in bench.cases(smoke):
+        for case in kernels.bench(op).cases(smoke):
             results = {}
             for name, fn in case.candidates.items():
                 try:

@@ -34,6 +34,7 @@ from depthmix.runtime.log import startup_warnings  # noqa: E402
 
 startup_warnings.start()  # Megatron's import-time notices (the bench modules import it)
 
+from depthmix import kernels  # noqa: E402
 from depthmix.kernels import gpu_report, roofline  # noqa: E402
 from depthmix.planning.hardware import H100, H200  # noqa: E402
 
@@ -102,7 +103,7 @@ def roofline_table(work: List[roofline.Work]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", default=",".join(gpu_report.OPS))
+    parser.add_argument("--ops", default=",".join(kernels.ops()), help="comma list (default: all)")
     parser.add_argument("--archs", default="80,90", help="compute capabilities")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--first-variants", action="store_true",
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
-    work = [w for w in roofline.all_work() if w.op in ops]
+    work = roofline.all_work(ops)
     print(roofline_table(work))
     for line in problems:
         print("PROBLEM", line, file=sys.stderr)

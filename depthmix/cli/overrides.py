@@ -1,8 +1,9 @@
 """What ``depthmix-train`` does before Hydra runs.
 
 * ``--help``: the config groups and their choices, and every option with its type, default
-  and description, read from the config dataclasses' field docstrings (with :mod:`ast`, so
-  printing help imports neither torch nor Megatron).
+  and description, read from the config dataclasses' field docstrings (with :mod:`ast`);
+  the mixers come from their registry, whose folders' ``__init__`` import neither torch
+  nor Megatron, so printing help imports neither.
 * The overrides are composed (every point of a multirun) before Hydra starts: a Hydra-level
   error (bad syntax, unknown key, unknown group option, a value of the wrong type) is a
   :class:`ConfigError` naming the closest valid names, i.e. exit status 2 and one line.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -42,7 +44,11 @@ def groups() -> List[str]:
 
 def group_options(group: str) -> List[str]:
     """The YAML files of a group (the ``*_schema`` entries of the config store are not
-    choices)."""
+    choices); for ``mixer``, the registered mixers."""
+    if group == "mixer":
+        from depthmix.mixers import available
+
+        return available()
     folder = os.path.join(CONFIG_DIR, group)
     return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
 
@@ -97,26 +103,12 @@ def schema_options(group: str) -> List[Option]:
     return class_options(_SCHEMA, GROUP_SCHEMAS[group])
 
 
-@functools.lru_cache(maxsize=None)
 def mixer_classes() -> Dict[str, Tuple[str, str]]:
-    """``mixer name -> (module path, config class)`` from the ``Mixer(name=..., config_cls=...)``
-    registrations in ``depthmix/mixers/<name>/__init__.py``."""
-    folder = _MIXERS
-    out = {}
-    for sub in sorted(os.listdir(folder)):
-        path = os.path.join(folder, sub, "__init__.py")
-        if not os.path.isfile(path):
-            continue
-        for node in ast.walk(_module(path)):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id == "Mixer"):
-                kw = {k.arg: k.value for k in node.keywords}
-                if isinstance(kw.get("name"), ast.Constant) and isinstance(kw.get("config_cls"),
-                                                                          ast.Name):
-                    cls = kw["config_cls"].id
-                    home = path if cls != "MixerConfig" else os.path.join(folder, "base.py")
-                    out[kw["name"].value] = (home, cls)
-    return out
+    """``mixer name -> (source file, config class name)`` of every registered mixer."""
+    from depthmix.mixers import available, get_mixer
+
+    classes = {name: get_mixer(name).config_cls for name in available()}
+    return {name: (inspect.getsourcefile(cls), cls.__name__) for name, cls in classes.items()}
 
 
 def mixer_options(name: Optional[str] = None) -> List[Option]:

@@ -1,12 +1,13 @@
-"""GPU readiness without a GPU: every Triton kernel of the four ops compiled to sm_80 and
+"""GPU readiness without a GPU: every Triton kernel of the kernel ops compiled to sm_80 and
 sm_90 machine code, with what ptxas says about each.
 
 Which kernels, with which compile-time choices: each op's host launchers
 (``kernels/<op>/triton.py``) run, forward then backward, on ``meta`` tensors (shapes and
-dtypes, no data) at the full benchmark shapes of its ``bench.py``. While they run, every
-kernel of the module is swapped for a recorder (:func:`recorded_launches`), so what is kept
-is exactly what the launcher passes on a GPU: sizes, strides, pointer dtypes, constexprs
-(tiles, flags) and ``num_warps`` / ``num_stages``. An autotuned kernel is expanded into its
+dtypes, no data) at the full benchmark shapes of its ``bench.py`` (``gpu_launches``).
+While they run, every kernel of the module is swapped for a recorder
+(:func:`recorded_launches`), so what is kept is exactly what the launcher passes on a GPU:
+sizes, strides, pointer dtypes, constexprs (tiles, flags) and ``num_warps`` /
+``num_stages``. An autotuned kernel is expanded into its
 module's ``CUDA_CONFIGS``, pruned by the autotuner's own ``early_config_prune``. Launches
 that differ only in runtime arguments (another ``T``) compile once; the first benchmark
 shape that made them names them.
@@ -40,8 +41,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-
-OPS = ("depth_mix", "moda_attention", "attnres", "mhc")
 
 
 # ---------------------------------------------------------------------------------------
@@ -142,7 +141,7 @@ def recorded_launches(module) -> Iterator[list]:
             setattr(module, name, kernel)
 
 
-def _expand(op: str, variant: str, module, calls: list) -> List[Launch]:
+def expand(op: str, variant: str, module, calls: list) -> List[Launch]:
     """Recorded calls as launches; an autotuned kernel becomes one launch per config of
     the module's ``CUDA_CONFIGS`` its prune keeps."""
     from triton.runtime.autotuner import Autotuner
@@ -161,113 +160,20 @@ def _expand(op: str, variant: str, module, calls: list) -> List[Launch]:
     return out
 
 
-def _meta(*shape, dtype=torch.bfloat16) -> torch.Tensor:
+def meta(*shape, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
-# ---------------------------------------------------------------------------------------
-# Each op's launches at its benchmark shapes
-# ---------------------------------------------------------------------------------------
+def launches(ops: Sequence[str] = ()) -> List[Launch]:
+    """Every distinct launch of ``ops`` (default: every kernel op) at their benchmark
+    shapes, from each op's ``bench.gpu_launches`` (first shape wins)."""
+    from depthmix import kernels
 
-
-def _depth_mix(mixed_states: Sequence[str] = ("key_value", "value")) -> List[Launch]:
-    """``mix_rule=softmax`` (the default; ``uniform`` has no score path), the benchmark's
-    ``mixed_state=value`` and ``key_value``, which keeps the most tiles live. Heaviest
-    first (both states, then the largest group), so that a config's first variant is the
-    one most likely to spill."""
-    from depthmix.kernels.depth_mix import bench, triton as K
-
-    out = []
-    for t, heads, g, hd, dtype, s in sorted(bench.shapes(smoke=False), key=lambda s: -s.g):
-        ng = heads // g
-        q = _meta(t, 1, heads, hd, dtype=dtype)
-        k, v = _meta(t, 1, ng, hd, dtype=dtype), _meta(t, 1, ng, hd, dtype=dtype)
-        src_k = [_meta(t, 1, ng, hd, dtype=dtype) for _ in range(s)]
-        src_v = [_meta(t, 1, ng, hd, dtype=dtype) for _ in range(s)]
-        for state in mixed_states:
-            flags = dict(softmax=True, mix_keys=state in ("key", "key_value"),
-                         mix_values=state in ("value", "key_value"), scale=hd ** -0.5)
-            with recorded_launches(K) as calls:
-                k_out, v_out, lse = K.depth_mix_fwd(q, k, v, src_k, src_v, **flags)
-                K.depth_mix_bwd(q, k, v, src_k, src_v, lse, k_out, v_out, **flags)
-            out += _expand("depth_mix", f"G{g} hd{hd} S{s} {state}", K, calls)
-    return out
-
-
-def _moda_attention() -> List[Launch]:
-    """The 3B-layout shapes and the MoDA paper's rows, tiles from ``default_tiles``."""
-    from depthmix.kernels.moda_attention import bench, triton as K
-
-    out = []
-    for t, heads, g, hd, d, dtype in bench.shapes(smoke=False) + bench.paper_shapes():
-        ng = heads // g
-        q = _meta(t, 1, heads, hd, dtype=dtype)
-        k, v = _meta(t, 1, ng, hd, dtype=dtype), _meta(t, 1, ng, hd, dtype=dtype)
-        kd, vd = _meta(t, 1, ng, d, hd, dtype=dtype), _meta(t, 1, ng, d, hd, dtype=dtype)
-        tiles = K.default_tiles(hd, g, d)
-        with recorded_launches(K) as calls:
-            o, lse = K.moda_attention_fwd(q, k, v, kd, vd, d, hd ** -0.5, tiles)
-            K.moda_attention_bwd(o, q, k, v, kd, vd, o, lse, d, hd ** -0.5, tiles)
-        out += _expand("moda_attention", f"G{g} hd{hd} D{d}", K, calls)
-    return out
-
-
-def _attnres() -> List[Launch]:
-    """Full and Block AttnRes reads (no output norm: the stack passes none)."""
-    from depthmix.kernels.attnres import bench, triton as K
-
-    out = []
-    for kind, t, hidden, s, dtype in bench.shapes(smoke=False):
-        sources = [_meta(t, 1, hidden, dtype=dtype) for _ in range(s)]
-        query, key_weight = _meta(hidden, dtype=dtype), _meta(hidden, dtype=dtype)
-        with recorded_launches(K) as calls:
-            o, z, rstd, lse = K.attnres_fwd(sources, query, key_weight, bench.EPS, None,
-                                            bench.EPS)
-            K.attnres_bwd(sources, query, key_weight, None, bench.EPS, o, z, rstd, lse)
-        out += _expand("attnres", f"h{hidden}", K, calls)
-    return out
-
-
-def _mhc() -> List[Launch]:
-    """Sinkhorn alone (fp32 logits), the read and the post/res launches (bf16 streams);
-    every output gradient present, as autograd materialises them."""
-    from depthmix.kernels.mhc import bench, triton as K
-    from depthmix.kernels.mhc.reference import coefficient_width
-
-    out = []
-    for t, n, h, dtype in bench.shapes(smoke=False):
-        m = coefficient_width(bench.VARIANT, n)
-        logits = _meta(t, n, n, dtype=torch.float32)
-        x, y = _meta(t, n, h, dtype=dtype), _meta(t, h, dtype=dtype)
-        phi, alpha, bias = (_meta(n * h, m, dtype=dtype), _meta(3, dtype=dtype),
-                            _meta(m, dtype=dtype))
-        with recorded_launches(K) as calls:
-            K.sinkhorn_bwd(logits, K.sinkhorn_fwd(logits, bench.ITERS), bench.ITERS)
-            x_in, h_pre, h_post, h_res, dyn, rstd = K.mhc_read_fwd(
-                x, phi, alpha, bias, bench.VARIANT, bench.ITERS, bench.EPS)
-            K.mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, x_in, h_pre, h_post, h_res,
-                           bench.VARIANT, bench.ITERS)
-            K.mhc_post_res_fwd(x, y, h_post, h_res)
-            K.mhc_post_res_bwd(x, y, h_post, h_res, x)
-        out += _expand("mhc", f"{bench.VARIANT} n{n} h{h}", K, calls)
-    return out
-
-
-_LAUNCHES: Dict[str, Callable[[], List[Launch]]] = {
-    "depth_mix": _depth_mix,
-    "moda_attention": _moda_attention,
-    "attnres": _attnres,
-    "mhc": _mhc,
-}
-
-
-def launches(ops: Sequence[str] = OPS) -> List[Launch]:
-    """Every distinct launch of ``ops`` at their benchmark shapes (first shape wins)."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # kernels are interpreted functions then
         raise RuntimeError("the kernel report needs a process without TRITON_INTERPRET=1")
     seen, out = set(), []
-    for op in ops:
-        for launch in _LAUNCHES[op]():
+    for op in ops or kernels.ops():
+        for launch in kernels.bench(op).gpu_launches():
             if launch.key() not in seen:
                 seen.add(launch.key())
                 out.append(launch)
@@ -395,7 +301,7 @@ def _compile_task(task: Tuple[int, int]) -> Usage:
     return compile_usage(_POOL_LAUNCHES[index], capability)
 
 
-def compile_report(ops: Sequence[str] = OPS, capabilities: Sequence[int] = (80, 90),
+def compile_report(ops: Sequence[str] = (), capabilities: Sequence[int] = (80, 90),
                    jobs: int = 1, only: Optional[Callable[[Launch, int], bool]] = None
                    ) -> List[Usage]:
     """Compiles every launch of ``ops`` for every capability (``only(launch, capability)``
@@ -410,7 +316,7 @@ def compile_report(ops: Sequence[str] = OPS, capabilities: Sequence[int] = (80, 
             return list(pool.map(_compile_task, tasks))
 
 
-def first_variants(ops: Sequence[str] = OPS) -> Callable[[Launch, int], bool]:
+def first_variants(ops: Sequence[str] = ()) -> Callable[[Launch, int], bool]:
     """For :func:`compile_report`'s ``only``: every kernel in every config, each at its
     first benchmark variant (the launch lists put the heaviest first where it matters).
     Each other variant shares its tiles with a compiled one and differs in a group size,

@@ -1,15 +1,15 @@
 """What every mixer provides: a config dataclass, a depth plan, cost hooks and a model spec.
 
-Everything here, and in the per-method modules beside it, imports without Megatron (the
-dry run and ``--help`` use it); the model code lives in ``depthmix.mixers``
-and is imported when a model is built (:func:`model_spec_in`).
+Everything here, and every mixer folder's ``__init__.py``, imports without torch or
+Megatron (the dry run and ``--help`` use it); the model code is the folder's ``model.py``,
+imported when a model is built (:func:`model_hook`).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import check_choice
@@ -40,8 +40,20 @@ class MixerConfig:
         """Raise :class:`ConfigError` naming the option if this mixer cannot run."""
         for option, allowed in self.CHOICES.items():
             check_choice(f"mixer.{option}", getattr(self, option), allowed)
-        if self.short_swa_window < 0:
-            raise ConfigError(f"mixer.short_swa_window={self.short_swa_window} must be >= 0")
+        self.check_at_least("short_swa_window", 0)
+
+    def check_at_least(self, option: str, low) -> None:
+        """Raise :class:`ConfigError` unless ``mixer.<option>`` is null or ``>= low``."""
+        value = getattr(self, option)
+        if value is not None and value < low:
+            raise ConfigError(f"mixer.{option}={value} must be >= {low}")
+
+    def check_pre_norm(self, model) -> None:
+        """Raise :class:`ConfigError` unless the blocks are pre-norm (a method that replaces
+        the residual stream reads the un-normalised state)."""
+        if model.norm_position != "pre":
+            raise ConfigError(f"mixer={self.name} needs pre-norm blocks (model.norm_position="
+                              f"{model.norm_position!r}; set model.norm_position=pre)")
 
 
 @dataclass(frozen=True)
@@ -82,15 +94,65 @@ class SavedActivations:
 NO_SAVED = SavedActivations()
 
 
+CHECKS = ("decode", "recompute", "transport", "accounting", "generate", "parity", "kernels")
+"""The shared test matrices a :class:`Variant` can run in:
+
+* ``decode``, ``recompute``: ``tests/mixers/test_conformance.py`` (incremental decoding
+  equals the full forward; full recomputation gives the same gradients);
+* ``transport``: ``tests/megatron_ext/test_transport.py`` (the pipeline transport, at 8
+  layers: options that give the mixer its depth state there);
+* ``accounting``: ``tests/ops/test_accounting.py`` (parameters and FLOPs against the model);
+* ``generate``: ``tests/inference/test_generate.py`` (batched generation);
+* ``parity``: ``tests/parallel/test_parity.py`` (every parallel layout against one rank);
+* ``kernels``: ``tests/kernels/test_dispatch.py`` (only a mixer with ``kernels``: options
+  under which it runs them).
+
+The memory-model and overheads tests run every mixer at its defaults."""
+
+
+SUMMED = 1e-12
+"""``Variant.recompute_rtol`` where recomputation sums a gradient in another order (fp64)."""
+LOOPED = {"num_layers": 2, "n_loops": 2}
+"""``Variant.model`` of a looped model: two stored layers, run twice."""
+
+
 @dataclass(frozen=True)
+class Variant:
+    """An option set the shared test matrices run a mixer at (:data:`CHECKS`)."""
+
+    name: str = ""
+    """Suffix of the test id, ``<mixer>-<name>`` (empty: the mixer's name alone)."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """``mixer.<option>`` values."""
+    model: Mapping[str, Any] = field(default_factory=dict)
+    """``model.<field>`` values on the tests' tiny model (``num_layers``, ``n_loops``,
+    ``norm_position``, ``num_query_groups``)."""
+    checks: Tuple[str, ...] = CHECKS
+    """The matrices that run it."""
+    prefill: int = 3
+    """``decode``: tokens prefilled before the one-token steps."""
+    recompute_rtol: float = 0.0
+    """``recompute``: norm-wise tolerance of the gradients, 0 for identical; above 0 where
+    a depth entry read by several sublayers of a checkpointed layer has its gradient summed
+    in another order."""
+
+    def id_for(self, mixer: str) -> str:
+        return f"{mixer}-{self.name}" if self.name else mixer
+
+
+@dataclass(frozen=True, kw_only=True)
 class Mixer:
-    """A registered depth-mixing method."""
+    """A registered depth-mixing method (``MIXER`` or ``MIXERS`` of a mixer folder).
+
+    ``config_cls``, ``model_spec`` and ``plan`` are required: the registry refuses a
+    folder whose mixer lacks one, naming it."""
 
     name: str
-    config_cls: type
-    model_spec: Callable
-    """``(DepthMixConfig) -> DepthMixModelSubmodules``."""
-    plan: Callable
+    config_cls: Optional[type] = None
+    """The options: a :class:`MixerConfig` subclass (or :class:`MixerConfig` itself)."""
+    model_spec: Optional[Callable] = None
+    """``(DepthMixConfig) -> DepthMixModelSubmodules``; give it with :func:`model_hook`."""
+    plan: Optional[Callable] = None
     """``(DepthMixConfig, tp_size) -> list[Entry]``: the depth state over unrolled layers."""
     extra_flops_per_token: Callable = lambda config: 0.0
     """``(DepthMixConfig) -> float``: *forward* FLOPs per token the method adds to the
@@ -137,20 +199,26 @@ class Mixer:
     bind: Optional[Callable] = None
     """``(DepthMixModel) -> None``, called once on every built model chunk: for mixers
     whose modules need each other (AttnRes' two-phase inference reads a whole block's
-    pseudo-queries at once). None: nothing to bind. Give it with :func:`model_spec_in`
-    so the model code is imported only when a model is built."""
+    pseudo-queries at once). None: nothing to bind. Give it with :func:`model_hook` so
+    the model code is imported only when a model is built."""
+    kernels: Tuple[str, ...] = ()
+    """The kernel ops (``depthmix/kernels/<op>/``) its modules pick with
+    ``dispatch.select``."""
+    variants: Tuple[Variant, ...] = (Variant(),)
+    """The option sets the shared test matrices run it at; together they cover every
+    check of :data:`CHECKS` (the registry says which one is missing)."""
 
 
-def model_spec_in(module: str, function: str) -> Callable:
-    """A ``model_spec`` hook that imports ``depthmix.mixers.<module>`` (the
-    method's Megatron modules) only when a model is built."""
+def model_hook(package: str, function: str) -> Callable:
+    """A hook that calls ``<package>.model.<function>``, importing the mixer's Megatron
+    modules only when a model is built (``package``: the mixer folder's ``__name__``)."""
 
-    def model_spec(config):
-        code = importlib.import_module(f"depthmix.mixers.{module}.model")
-        return getattr(code, function)(config)
+    def hook(*args):
+        return getattr(importlib.import_module(f"{package}.model"), function)(*args)
 
-    model_spec.__qualname__ = f"{module}.{function}"
-    return model_spec
+    hook.__qualname__ = f"{package}.model.{function}"
+    hook.module = f"{package}.model"
+    return hook
 
 
 def residual_stream_entry(config) -> Entry:

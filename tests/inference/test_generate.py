@@ -6,22 +6,17 @@ import torch
 
 from depthmix.inference.generate import generate, left_pad, sample_next
 from depthmix.inference.kv_cache import KVCache
-from depthmix.testing import build_model, tiny_run
+from depthmix.testing import build_model, tiny_run, variant_cases, variant_run
 
-CASES = {"vanilla": {}, "depth_attn": {}, "moda": {}, "attnres_full": {},
-         "attnres_block": {"block_size": 4}, "mhc": {}, "denseformer": {}, "ddl": {},
-         "short_swa": {"short_swa_window": 3}}
+CASES = [pytest.param(mixer, variant, id=test_id)
+         for test_id, mixer, variant in variant_cases("generate")]
 LENGTHS = (5, 2, 9, 1)
 
 
-def _mixer(case):
-    return "vanilla" if case == "short_swa" else case
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_batched_prompts_of_different_lengths_equal_each_alone(megatron_single, case):
+@pytest.mark.parametrize("mixer,variant", CASES)
+def test_batched_prompts_of_different_lengths_equal_each_alone(megatron_single, mixer, variant):
     torch.manual_seed(0)
-    model = build_model(tiny_run(_mixer(case), **CASES[case])).eval()
+    model = build_model(variant_run(mixer, variant)).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 128, (n,), generator=g).tolist() for n in LENGTHS]
     ids, mask = left_pad(prompts, pad_id=1)
@@ -40,10 +35,10 @@ def test_batched_prompts_of_different_lengths_equal_each_alone(megatron_single, 
                        )[:, ids.shape[1]:]
     for row, prompt in enumerate(prompts):
         x = torch.tensor([prompt])
-        assert torch.equal(generate(model, x, 6)[0, len(prompt):], greedy[row]), (case, row)
+        assert torch.equal(generate(model, x, 6)[0, len(prompt):], greedy[row]), (variant, row)
         alone = generate(model, x, 6, temperature=1.0, top_p=0.9,
                          generator=torch.Generator().manual_seed(5))[0, len(prompt):]
-        assert torch.equal(alone, sampled[row]), (case, row)
+        assert torch.equal(alone, sampled[row]), (variant, row)
 
 
 def test_eos_stops_a_row_and_fills_it(megatron_single):

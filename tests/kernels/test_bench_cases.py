@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from depthmix import kernels
 from depthmix.config.schema import ModelConfig
 from depthmix.kernels.attnres import attnres_reference
 from depthmix.kernels.depth_mix.reference import depth_mix_reference
@@ -23,9 +24,9 @@ from depthmix.kernels.dispatch import triton_status
 from depthmix.kernels.mhc import mhc_post_res_reference, mhc_read_reference, sinkhorn_reference
 from depthmix.kernels.moda_attention import moda_attention_reference
 from depthmix.megatron_ext.attention import causal_sdpa
-from depthmix.mixers.mhc.model import MHCConfig
+from depthmix.mixers.mhc import MHCConfig
 
-OPS = ["depth_mix", "moda_attention", "attnres", "mhc"]
+OPS = kernels.ops()
 FULL_T = {4096, 16384, 65536}
 EPS = ModelConfig().norm_epsilon
 MHC = MHCConfig()
@@ -106,7 +107,9 @@ def test_smoke_candidates_run_and_agree(op):
                 ref_outs, ref_grads = results[name.replace("ours", "torch")]
                 _close(f"{case.shape} {name} outputs", outs, ref_outs)
                 _close(f"{case.shape} {name} grads", grads, ref_grads)
-        calls = STACK_CALLS[(op, case.shape.split()[0])]
+        kind = case.shape.split()[0]
+        assert (op, kind) in STACK_CALLS, f"STACK_CALLS lacks the stack's call of {op} {kind}"
+        calls = STACK_CALLS[(op, kind)]
         for name, call in calls.items():
             torch.manual_seed(0)
             args, kwargs = case.make_inputs()

@@ -8,11 +8,14 @@ mHC's variants, MoDA with and without depth entries (and a partly filled depth b
 What compilation does with them is ``tests/pretrain/test_compile.py``."""
 
 import dataclasses
+import pathlib
+import re
 
 import pytest
 import torch
 from torch.library import opcheck
 
+from depthmix import kernels
 from depthmix.kernels.dispatch import select
 
 
@@ -54,7 +57,7 @@ def test_attnres(norm):
 
 @pytest.mark.parametrize("variant", ["mhc", "identity"])
 def test_mhc(variant):
-    from depthmix.kernels.mhc import coefficient_width
+    from depthmix.mixers.mhc import coefficient_width
 
     select("mhc", "triton")
     tokens, n, h = 7, 4, 32
@@ -79,3 +82,16 @@ def test_moda_attention(depth, count):
     kd, vd = (_randn(sq, b, ng, depth, hn), _randn(sq, b, ng, depth, hn)) if depth else (None,) * 2
     tiles = list(dataclasses.astuple(default_tiles(hn, np_ // ng, depth)))
     opcheck(_op("moda_attention_fwd"), (q, k, v, kd, vd, count, 0.25, tiles))
+
+
+@pytest.mark.parametrize("op", kernels.ops())
+def test_every_op_has_its_forward_custom_ops_checked_here(op):
+    """Each ``depthmix::<x>_fwd`` an op's ``function.py`` registers is opchecked above (its
+    ``_bwd`` is the registered backward), in a test named ``test_<op>``."""
+    here = pathlib.Path(__file__).read_text()
+    function = pathlib.Path(kernels.__file__).parent / op / "function.py"
+    registered = re.findall(r'custom_op\("depthmix::(\w+_fwd)"', function.read_text())
+    assert registered, f"{function} registers no depthmix:: forward op"
+    assert f"def test_{op}(" in here, f"no test_{op} opchecks kernel op {op!r}"
+    for name in registered:
+        assert f'_op("{name}")' in here, f"depthmix::{name} is not opchecked"

@@ -20,12 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from depthmix.kernels.depth_mix import (
-    MIX_RULES,
-    MIXED_STATES,
-    depth_mix_reference,
-    depth_mix_triton,
-)
+from depthmix.kernels.depth_mix import depth_mix_reference, depth_mix_triton
+from depthmix.mixers.depth_attn import MIX_RULES, MIXED_STATES
 
 FP32_TOL = 1e-5
 BF16_TOL = 6e-3

@@ -1,7 +1,10 @@
 import pytest
 
+from depthmix import kernels
 from depthmix.config.schema import ConfigError
 from depthmix.kernels.dispatch import resolve_impl
+from depthmix.mixers import available, get_mixer
+from depthmix.testing import variant_cases
 
 
 def test_torch_is_always_available():
@@ -35,19 +38,19 @@ def test_unknown_impl_is_refused():
 # One kernel pattern: IMPLS per op package, one selector, Triton imported lazily
 # ---------------------------------------------------------------------------------------
 
-KERNEL_OPS = ["attnres", "depth_mix", "mhc", "moda_attention"]
-KERNEL_MIXERS = {"attnres_full": {}, "attnres_block": {"block_size": 2},
-                 "depth_attn": {"stride": 1}, "mhc": {"streams": 2}, "moda": {}}
-"""Every mixer that runs a kernel, with options under which it does."""
+KERNEL_OPS = kernels.ops()
+KERNEL_MIXERS = {test_id: (mixer, dict(variant.options))
+                 for test_id, mixer, variant in variant_cases("kernels")}
+"""Every mixer that runs a kernel (``Mixer.kernels``), with options under which it does."""
 
 
-def test_every_op_package_is_listed():
+def test_ops_are_the_kernel_folders_and_the_mixers_use_them():
     import pathlib
 
-    import depthmix.kernels
-
-    root = pathlib.Path(depthmix.kernels.__file__).parent
-    assert sorted(p.parent.name for p in root.glob("*/__init__.py")) == KERNEL_OPS
+    root = pathlib.Path(kernels.__file__).parent
+    assert KERNEL_OPS == sorted(p.parent.name for p in root.glob("*/__init__.py"))
+    used = {op for name in available() for op in get_mixer(name).kernels}
+    assert used == set(KERNEL_OPS)
 
 
 @pytest.mark.parametrize("op", KERNEL_OPS)
@@ -61,6 +64,16 @@ def test_op_package_names_its_two_implementations(op):
     assert package.IMPLS["torch"].endswith(f":{op}_reference")
     assert package.IMPLS["triton"].endswith(f":{op}_triton")
     assert select(op, "torch") is getattr(package, f"{op}_reference")
+    kernels.bench(op)  # defines what the benchmark, roofline and GPU-compile lists need
+
+
+def test_an_op_without_a_bench_hook_is_named(monkeypatch):
+    import importlib
+
+    bench = importlib.import_module("depthmix.kernels.mhc.bench")
+    monkeypatch.delattr(bench, "roofline_work")
+    with pytest.raises(AttributeError, match="kernel op 'mhc' .* has no roofline_work"):
+        kernels.bench("mhc")
 
 
 @pytest.mark.parametrize("op", KERNEL_OPS)
@@ -72,13 +85,14 @@ def test_selector_refuses_an_unresolved_impl(op, impl):
         select(op, impl)
 
 
-@pytest.mark.parametrize("mixer", sorted(KERNEL_MIXERS))
-def test_a_model_with_unresolved_auto_is_refused_at_construction(megatron_single, mixer):
+@pytest.mark.parametrize("case", sorted(KERNEL_MIXERS))
+def test_a_model_with_unresolved_auto_is_refused_at_construction(megatron_single, case):
     """A config that skipped start-up resolution never reaches a kernel call: building
     the model stops at the first kernel it would pick."""
     from depthmix.testing import build_model, tiny_run
 
-    run = tiny_run(mixer, **KERNEL_MIXERS[mixer])
+    mixer, options = KERNEL_MIXERS[case]
+    run = tiny_run(mixer, **options)
     run.mixer.impl = "auto"
     with pytest.raises(ValueError, match="impl='auto' is not resolved"):
         build_model(run)
@@ -105,7 +119,7 @@ sys.modules["triton"] = None  # ``import triton`` now fails as if it were not in
 import torch
 from depthmix.testing import build_model, init_single_process, tiny_run
 init_single_process()
-for name, options in {mixers!r}.items():
+for name, options in {mixers!r}:
     run = tiny_run(name, impl="auto", **options)
     assert run.mixer.impl == "torch", run.mixer.impl
     model = build_model(run)
@@ -120,8 +134,8 @@ def test_impl_torch_runs_every_kernel_mixer_without_triton():
     import subprocess
     import sys
 
-    script = _WITHOUT_TRITON.format(mixers=KERNEL_MIXERS)
+    script = _WITHOUT_TRITON.format(mixers=list(KERNEL_MIXERS.values()))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == [w for m in KERNEL_MIXERS for w in ("ran", m)]
+    assert out.stdout.split() == [w for m, _ in KERNEL_MIXERS.values() for w in ("ran", m)]

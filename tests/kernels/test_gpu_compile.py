@@ -1,4 +1,4 @@
-"""Every Triton kernel of the four ops compiles to sm_80 and sm_90 machine code without
+"""Every Triton kernel of every kernel op compiles to sm_80 and sm_90 machine code without
 register spills and within its architecture's shared memory (no GPU needed: Triton's
 bundled ptxas, ``depthmix/kernels/gpu_report.py``). The interpreter the other kernel
 tests use checks none of this, nor what only the compiler checks (constexpr control flow,

@@ -19,8 +19,8 @@ Triton's interpreter on CPU (``tests/conftest.py`` sets TRITON_INTERPRET=1 witho
 import pytest
 import torch
 
+from depthmix.mixers.mhc import coefficient_width
 from depthmix.kernels.mhc import (
-    coefficient_width,
     mhc_post_res_triton,
     mhc_read_triton,
     sinkhorn_triton,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from depthmix import kernels
 from depthmix.kernels import roofline
 from depthmix.planning.hardware import H100, H200
 
@@ -16,20 +17,22 @@ def _find(work, op, case, direction):
 def test_depth_mix_bytes_are_each_tensor_once():
     t, heads, ng, d = 4096, 16, 4, 128
     query, kv_head = t * heads * d * 2, t * ng * d * 2
-    fwd = _find(roofline.depth_mix_work(), "depth_mix", "T4096-G4-hd128", "fwd")
+    work = kernels.bench("depth_mix").roofline_work()
+    fwd = _find(work, "depth_mix", "T4096-G4-hd128", "fwd")
     # q, k, v, 2 source keys, 2 source values -> mixed value, fp32 lse
     assert fwd.bytes == query + 6 * kv_head + kv_head + t * ng * 4
-    bwd = _find(roofline.depth_mix_work(), "depth_mix", "T4096-G4-hd128", "bwd")
+    bwd = _find(work, "depth_mix", "T4096-G4-hd128", "bwd")
     # the same inputs, lse and the value gradient -> gradients of all 7 inputs
     assert bwd.bytes == 2 * (query + 6 * kv_head) + t * ng * 4 + kv_head
 
 
 def test_moda_counts_causal_and_depth_pairs():
     t, heads, d, depth = 65536, 16, 128, 48
-    fwd = _find(roofline.moda_work(), "moda_attention", "T65536-G8-hd128-D48", "fwd")
+    work = kernels.bench("moda_attention").roofline_work()
+    fwd = _find(work, "moda_attention", "T65536-G8-hd128-D48", "fwd")
     pairs = heads * (t * (t + 1) / 2 + t * depth)
     assert fwd.tensor_flops == 4 * d * pairs
-    bwd = _find(roofline.moda_work(), "moda_attention", "T65536-G8-hd128-D48", "bwd")
+    bwd = _find(work, "moda_attention", "T65536-G8-hd128-D48", "bwd")
     assert bwd.tensor_flops == 2.5 * fwd.tensor_flops
     assert fwd.floor(H100)[1] == bwd.floor(H100)[1] == "tensor"
     assert fwd.floor(H100)[0] == pytest.approx(fwd.tensor_flops / 989.4e12)
@@ -57,6 +60,7 @@ def test_one_forward_and_backward_per_full_benchmark_shape():
         "mhc": 3 * len(mhc_bench.shapes(False)),  # sinkhorn, read, post_res
     }
     work = roofline.all_work()
+    assert set(expected) == set(kernels.ops())
     for op, cases in expected.items():
         ours = [w for w in work if w.op == op]
         assert len({w.case for w in ours}) == cases

@@ -10,25 +10,15 @@ import torch
 from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.planning.depth_plan import STEM
 from depthmix.planning.pipeline import PipelineLayout, geometry_of
-from depthmix.mixers import available
+from depthmix.mixers import get_mixer
+from depthmix.mixers.base import residual_plan
 from depthmix.megatron_ext.transport import DepthStateCache, DepthTransport
-from depthmix.testing import tiny_run
+from depthmix.testing import tiny_run, variant_cases
 
 LAYERS = 8
-MIXER_OPTIONS = {
-    "vanilla": [{}],
-    "attnres_full": [{}],
-    "attnres_block": [{"block_size": 3}],
-    "ddl": [{"value_channels": 3}],
-    "denseformer": [{"dilation": 2, "period": 1}],
-    "depth_attn": [{"stride": 2}, {"stride": 3, "mixed_state": "key_value"}],
-    "mhc": [{"streams": 4}],
-    "moda": [{}, {"depth_window": 3}],
-}
-"""Options that give each mixer real depth state at 8 layers."""
-
-CASES = [pytest.param(m, o, id=f"{m}-{i}") for m, options in MIXER_OPTIONS.items()
-         for i, o in enumerate(options)]
+CASES = [pytest.param(mixer, variant.options, id=test_id)
+         for test_id, mixer, variant in variant_cases("transport")]
+"""Each mixer's ``transport`` variants: options that give it real depth state at 8 layers."""
 LAYOUTS = [pytest.param(pp, vp, tp, id=f"pp{pp}xvp{vp}" + ("-tp2sp" if tp > 1 else ""))
            for pp, vp, tp in [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 4, 1), (4, 2, 1), (2, 2, 2)]]
 
@@ -45,14 +35,11 @@ def names(entries):
     return {e.name for e in entries}
 
 
-def test_every_registered_mixer_is_covered():
-    assert sorted(MIXER_OPTIONS) == available()
-
-
 @pytest.mark.parametrize("mixer,options", CASES)
 def test_options_give_depth_state(mixer, options):
+    """Only a mixer whose plan is the plain residual stream (vanilla) has no other entry."""
     plan = geometry(mixer, options, 1, 1, 1).plan
-    assert (set(plan.entries) == {"h"}) == (mixer == "vanilla")
+    assert (set(plan.entries) == {"h"}) == (get_mixer(mixer).plan is residual_plan)
 
 
 @pytest.mark.parametrize("pp,vp,tp", LAYOUTS)

@@ -21,7 +21,7 @@ from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
 from depthmix.planning.depth_plan import DepthPlan
 from depthmix.planning.pipeline import PipelineLayout, TransportGeometry
-from depthmix.mixers.attnres.model import AttnResGeometry
+from depthmix.mixers.attnres import AttnResGeometry
 from depthmix.testing import build_model, tiny_run
 
 F64 = torch.float64

@@ -167,7 +167,8 @@ def test_gate_starts_at_beta_init(megatron_single):
 
 def test_plan_and_parameters(megatron_single):
     from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.mixers.ddl.model import DeltaResidual, ddl_plan
+    from depthmix.mixers.ddl import ddl_plan
+    from depthmix.mixers.ddl.model import DeltaResidual
 
     run, model = make(4)
     config = to_transformer_config(run)

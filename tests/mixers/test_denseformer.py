@@ -15,7 +15,7 @@ from resop_reference import (
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
 from depthmix.planning.depth_plan import DepthPlan
-from depthmix.mixers.denseformer.model import DWAGeometry
+from depthmix.mixers.denseformer import DWAGeometry
 from depthmix.testing import build_model, tiny_run
 
 F64 = torch.float64

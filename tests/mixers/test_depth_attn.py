@@ -10,8 +10,10 @@ import torch
 
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import validate
-from depthmix.kernels.depth_mix import MIX_RULES, MIXED_STATES, depth_mix_reference, depth_weights
-from depthmix.mixers.depth_attn.model import (
+from depthmix.kernels.depth_mix import depth_mix_reference, depth_weights
+from depthmix.mixers.depth_attn import (
+    MIX_RULES,
+    MIXED_STATES,
     SOURCE_MODES,
     DepthSchedule,
     depth_attn_plan,

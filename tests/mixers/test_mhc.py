@@ -265,7 +265,8 @@ def test_statistics_are_recorded(megatron_single):
 def test_plan_parameters_and_transport(megatron_single):
     from depthmix.megatron_ext.config import to_transformer_config
     from depthmix.planning.pipeline import PipelineLayout, geometry_of
-    from depthmix.mixers.mhc.model import HyperConnection, mhc_plan
+    from depthmix.mixers.mhc import mhc_plan
+    from depthmix.mixers.mhc.model import HyperConnection
 
     run, model = make("mhc", streams=4)
     config = to_transformer_config(run)

@@ -14,7 +14,7 @@ from depthmix.config.validate import validate
 from depthmix.inference import KVCache
 from depthmix.planning.pipeline import PipelineLayout, geometry_of
 from depthmix.mixers.moda import model as moda_mod
-from depthmix.mixers.moda.model import MoDAGeometry, moda_plan
+from depthmix.mixers.moda import MoDAGeometry, moda_plan
 from depthmix.testing import build_model, tiny_run
 from resop_reference import ids_for, loss_and_grads
 

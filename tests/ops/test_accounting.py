@@ -2,6 +2,7 @@
 the built model (whole and per pipeline stage and TP rank, every mixer), the peak-FLOP
 table, MFU arithmetic and the pipeline in-flight formula."""
 
+import dataclasses
 from functools import lru_cache
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 
 from depthmix.planning import flops as acc
 from depthmix.planning import memory
-from depthmix.testing import build_model, tiny_run
+from depthmix.mixers.base import Variant
+from depthmix.testing import build_model, tiny_run, variant_cases, variant_run
 
 
 def test_flops_match_torch_flop_counter(megatron_single):
@@ -50,10 +52,10 @@ def test_mixer_hook_is_added(monkeypatch):
     run = tiny_run()
     plain, plain_params = acc.flops_per_token(run), acc.total_params(run)
     vanilla = get_mixer("vanilla")
-    patched = base.Mixer(vanilla.name, vanilla.config_cls, vanilla.model_spec, vanilla.plan,
-                         extra_flops_per_token=lambda config: 1000.0 * config.num_layers,
-                         extra_params=lambda config, tp=1: base.ExtraParams(
-                             layers=tuple(range(config.num_layers)), stem=7, head=11))
+    patched = dataclasses.replace(
+        vanilla, extra_flops_per_token=lambda config: 1000.0 * config.num_layers,
+        extra_params=lambda config, tp=1: base.ExtraParams(
+            layers=tuple(range(config.num_layers)), stem=7, head=11))
     monkeypatch.setattr(acc, "mixer_of", lambda run: patched)
     f = acc.flops_per_token(run)
     assert f["mixer"] == 4000.0 and f["train"] == plain["train"] + 3 * 4000.0
@@ -100,54 +102,23 @@ def test_inflight_microbatches():
 # Every mixer: parameters and FLOPs against the built model
 # ---------------------------------------------------------------------------------------
 
-# id -> (mixer, options, (num_layers, n_loops)); tiny_run's model otherwise (4 layers, h 64,
-# 4 heads, 2 KV groups, d_h 16, s 16).
-VARIANTS = {
-    "vanilla": ("vanilla", {}, (4, 1)),
-    "vanilla-swa": ("vanilla", {"short_swa_window": 4}, (4, 1)),
-    "depth_attn": ("depth_attn", {}, (4, 1)),
-    "depth_attn-s1-kv": ("depth_attn", {"stride": 1, "mixed_state": "key_value"}, (4, 1)),
-    "depth_attn-uniform-rel": ("depth_attn", {"stride": 1, "mix_rule": "uniform",
-                                              "source_mode": "relative"}, (4, 1)),
-    "depth_attn-looped": ("depth_attn", {"stride": 1}, (2, 2)),
-    "moda": ("moda", {}, (4, 1)),
-    "moda-attn_kv_proj": ("moda", {"attn_kv_proj": True}, (4, 1)),
-    "moda-reuse-window": ("moda", {"ffn_kv_proj": False, "depth_window": 2}, (4, 1)),
-    "moda-looped-window-swa": ("moda", {"attn_kv_proj": True, "depth_window": 3,
-                                        "short_swa_window": 2}, (2, 2)),
-    "attnres_full": ("attnres_full", {}, (4, 1)),
-    "attnres_block": ("attnres_block", {"block_size": 2}, (4, 1)),
-    "attnres_block-looped-swa": ("attnres_block", {"block_size": 4, "short_swa_window": 3},
-                                 (2, 2)),
-    "denseformer": ("denseformer", {}, (4, 1)),
-    "denseformer-2x2": ("denseformer", {"dilation": 2, "period": 2}, (4, 1)),
-    "denseformer-looped": ("denseformer", {"period": 2}, (2, 2)),
-    "mhc": ("mhc", {}, (4, 1)),
-    "hc-3streams": ("mhc", {"variant": "hc", "streams": 3}, (4, 1)),
-    "mhc-identity-swa": ("mhc", {"variant": "identity", "short_swa_window": 5}, (4, 1)),
-    "ddl": ("ddl", {}, (4, 1)),
-    "ddl-dv2-looped": ("ddl", {"value_channels": 2}, (2, 2)),
-}
+# id -> (mixer, Variant): each mixer's ``accounting`` variants; tiny_run's model otherwise
+# (4 layers, h 64, 4 heads, 2 KV groups, d_h 16, s 16).
+VARIANTS = {test_id: (mixer, variant) for test_id, mixer, variant in variant_cases("accounting")}
 
 
-def test_every_mixer_has_variants():
-    from depthmix.mixers import available
-
-    assert {name for name, _, _ in VARIANTS.values()} == set(available())
-
-
-def variant_run(variant: str, mixer=None):
-    """The variant's run; ``mixer="vanilla"``: the same model without the mixer."""
-    name, options, (layers, loops) = VARIANTS[variant]
-    run = tiny_run(name, **options) if mixer is None else tiny_run(mixer)
-    run.model.num_layers, run.model.n_loops = layers, loops
-    return run
+def case_run(case: str, mixer=None):
+    """The case's run; ``mixer="vanilla"``: the same model without the mixer."""
+    name, variant = VARIANTS[case]
+    if mixer is None:
+        return variant_run(name, variant)
+    return variant_run(mixer, Variant(model=variant.model))
 
 
 @lru_cache(maxsize=None)
 def built(variant: str, mixer=None):
     torch.manual_seed(0)
-    return build_model(variant_run(variant, mixer))
+    return build_model(case_run(variant, mixer))
 
 
 def _stage_params(run, model, tp: int, pp: int, vp: int):
@@ -179,7 +150,7 @@ def test_parameter_count_matches_every_mixer(megatron_single, variant):
     """The accounting's total equals the built model's parameters, and its per-stage,
     per-TP-rank estimate equals the built model's parameters grouped by stage (a mixer's
     per-layer parameters, stem and head attributed to the right stage)."""
-    run = variant_run(variant)
+    run = case_run(variant)
     model = built(variant)
     assert acc.total_params(run) == sum(p.numel() for p in model.parameters())
     layers = run.model.num_layers
@@ -264,10 +235,10 @@ def _counted_per_token(model, run) -> float:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_mixer_flops_match_the_model(megatron_single, variant, monkeypatch):
     from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.mixers.moda.model import MoDAGeometry
+    from depthmix.mixers.moda import MoDAGeometry
 
-    run = variant_run(variant)
-    name, options, _ = VARIANTS[variant]
+    run = case_run(variant)
+    name, _ = VARIANTS[variant]
     config = to_transformer_config(run)
     m = run.model
     h, s, heads = m.hidden_size, m.seq_length, m.num_attention_heads
@@ -293,7 +264,9 @@ def test_mixer_flops_match_the_model(megatron_single, variant, monkeypatch):
         # with a single depth entry, einsum contracts the weighted depth values over a
         # size-1 axis as a broadcast multiply: invisible, 2 H d_h
         unseen += 2 * heads * dh * sum(1 for u in range(L) if len(geo.visible(u)) == 1)
-    assert counted + unseen - seen_besides == f["mixer"] + f["short_swa"]
+    assert counted + unseen - seen_besides == f["mixer"] + f["short_swa"], (
+        f"{variant}: the hooks say {f['mixer'] + f['short_swa']}, FlopCounterMode sees "
+        f"{counted} (+ {unseen - seen_besides} it cannot see, written out above per mixer)")
     if name in ("depth_attn", "attnres_full", "attnres_block", "denseformer"):
         assert len(calls) > 0
     assert (f["mixer"] > 0) == (name != "vanilla")

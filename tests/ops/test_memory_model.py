@@ -12,13 +12,13 @@ import os
 
 import pytest
 
+from depthmix.mixers import available
 from depthmix.planning import memory
 from depthmix.testing import spawn, tiny_run
 
 from memory_probe import probe_runs
 
-MIXERS = ["vanilla", "depth_attn", "mhc", "ddl", "attnres_full", "attnres_block",
-          "denseformer", "moda"]
+MIXERS = available()  # each at its defaults
 LAYOUTS = {
     "dp2_distopt": {"distributed_optimizer": True},
     "tp2_sp": {"tp": 2, "sequence_parallel": True},
@@ -46,8 +46,11 @@ def _run(mixer, layout):
 
 
 @pytest.fixture(scope="module")
-def measured():
-    cases = _cases()
+def measured(request):
+    """One launch measures every case this session runs (all, or those ``-k`` selects)."""
+    cases = [item.callspec.params["case"] for item in request.session.items
+             if item.originalname == "test_memory_model_matches_measurement"
+             and item.module is request.module]
     runs = [_run(*c) for c in cases]
     return dict(zip(cases, spawn(probe_runs, 2, (runs,), timeout=900)[0]))
 

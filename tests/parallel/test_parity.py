@@ -13,22 +13,13 @@ with norm 1e-5, already differs by 1e-4 between fp32 and fp64 on one rank.)
 import pytest
 import torch
 
-from depthmix.mixers import available
-from depthmix.testing import assert_same_training, run_layouts, tiny_run
+from depthmix.testing import assert_same_training, run_layouts, variant_cases, variant_run
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-# case name -> (mixer, options): every registered mixer with options that make it send
-# more than the bare minimum across stages, plus ShortSWA (an option of every mixer).
-CASES = {name: (name, {}) for name in available()}
-CASES.update({
-    "depth_attn": ("depth_attn", {"stride": 1}),
-    "attnres_block": ("attnres_block", {"block_size": 2}),
-    "mhc": ("mhc", {"streams": 2}),
-    "moda": ("moda", {"depth_window": 3, "attn_kv_proj": True}),
-    "vanilla+short_swa": ("vanilla", {"short_swa_window": 4}),
-})
-CASES = {k: v for k, v in CASES.items() if v[0] in available()}
+# case id -> (mixer, Variant): each mixer's ``parity`` variants, options that make it send
+# more than the bare minimum across stages (and ShortSWA, an option of every mixer).
+CASES = {test_id: (mixer, variant) for test_id, mixer, variant in variant_cases("parity")}
 
 # name: (world size, parallel options)
 LAYOUTS = {
@@ -43,8 +34,7 @@ MIXERS = list(CASES)
 
 
 def make_run(case: str, **parallel):
-    mixer, options = CASES[case]
-    run = tiny_run(mixer, **options)
+    run = variant_run(*CASES[case])
     run.train.micro_batch_size, run.train.global_batch_size = 2, 8  # 4 micro-batches at DP=1
     run.train.lr = 1e-2
     for key, value in parallel.items():

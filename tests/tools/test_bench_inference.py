@@ -7,7 +7,7 @@ import os
 import pytest
 
 from depthmix.mixers import available
-from depthmix.mixers.attnres.model import AttnResGeometry
+from depthmix.mixers.attnres import AttnResGeometry
 
 TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench_inference.py")
 

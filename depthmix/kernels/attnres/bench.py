@@ -39,6 +39,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from depthmix.kernels.bench_case import Case, implementations
+from depthmix.kernels.roofline import BF16, FP32, Work, label_pairs
 
 HIDDEN, NUM_LAYERS, BLOCK_SIZE, EPS = 2048, 48, 12, 1e-6
 
@@ -53,7 +54,7 @@ class Shape(NamedTuple):
 
 def num_sources(block_size: int, num_layers: int = NUM_LAYERS) -> int:
     """Sources of the middle read (Full, ``block_size = 1``) or of the largest read (Block)."""
-    from depthmix.mixers.attnres.model import AttnResGeometry
+    from depthmix.mixers.attnres import AttnResGeometry
 
     geo = AttnResGeometry(2 * num_layers, block_size)
     if block_size == 1:
@@ -131,3 +132,48 @@ def cases(smoke: bool) -> list:
     return [Case("attnres", _label(shape), _inputs(shape, device),
                  {name: _read(op) for name, op in ops.items()})
             for shape in shapes(smoke or not cuda)]
+
+
+# ---------------------------------------------------------------------------------------
+# What the full shapes cost (depthmix.kernels.roofline) and launch (depthmix.kernels.gpu_report)
+# ---------------------------------------------------------------------------------------
+
+
+def _work(t: int, d: int, s: int) -> tuple:
+    """Per source and token: sum of squares and the query dot (``4d``), the online
+    accumulation (``3d``); the output normalisation ``d`` per token. Backward per source:
+    the pre-norm output again (``2d``), ``y . dout`` (``2d``), ``dy`` (``5d``), the query
+    gradient's sum (``2d``); ``o . dout`` per token. Bytes: the sources, query and gain ->
+    output and fp32 ``z``, ``rstd`` (per source and token), ``lse``; backward the sources,
+    parameters, output gradient and statistics -> the source and parameter gradients."""
+    sources = BF16 * s * t * d
+    stats = FP32 * (2 * s * t + t)
+    params = BF16 * 2 * d
+    fwd = Work("attnres", "", "fwd", sources + params + BF16 * t * d + stats,
+               fp32_flops=t * (s * (7 * d + 10) + d))
+    bwd = Work("attnres", "", "bwd", sources + params + BF16 * t * d + stats + sources + params,
+               fp32_flops=t * (s * (11 * d + 10) + 2 * d))
+    return fwd, bwd
+
+
+def roofline_work() -> list:
+    """Forward and backward :class:`Work` of every full shape."""
+    return label_pairs([(f"{x.kind} T{x.t}-S{x.sources}-h{x.hidden}",
+                         _work(x.t, x.hidden, x.sources)) for x in shapes(smoke=False)])
+
+
+def gpu_launches() -> list:
+    """Full and Block AttnRes reads (no output norm: the stack passes none)."""
+    from depthmix.kernels.attnres import triton as K
+    from depthmix.kernels.gpu_report import expand, meta, recorded_launches
+
+    out = []
+    for kind, t, hidden, s, dtype in shapes(smoke=False):
+        sources = [meta(t, 1, hidden, dtype=dtype) for _ in range(s)]
+        query, key_weight = meta(hidden, dtype=dtype), meta(hidden, dtype=dtype)
+        with recorded_launches(K) as calls:
+            o, z, rstd, lse = K.attnres_fwd(sources, query, key_weight, EPS, None,
+                                            EPS)
+            K.attnres_bwd(sources, query, key_weight, None, EPS, o, z, rstd, lse)
+        out += expand("attnres", f"h{hidden}", K, calls)
+    return out

@@ -1,7 +1,7 @@
 """Attention-Residuals aggregation in plain PyTorch: the reference for the fused kernel.
 
-One depth read of AttnRes (seeds 001/002): a learned pseudo-query ``w`` scores each
-source ``v_s`` through an RMSNorm of the source (the key), a softmax over the sources
+One depth read of AttnRes (the Attention Residuals paper): a learned pseudo-query ``w``
+scores each source ``v_s`` through an RMSNorm of the source (the key), a softmax over the sources
 gives the weights, and the output is the weighted sum of the raw sources::
 
     a_s = softmax_s( w . RMSNorm(v_s) )           (fp32, over the S sources)

@@ -6,12 +6,7 @@ same signature, imported on first use so that importing this package never needs
 Modules pick one with ``dispatch.select("depth_mix", impl)``.
 """
 
-from depthmix.kernels.depth_mix.reference import (
-    MIX_RULES,
-    MIXED_STATES,
-    depth_mix_reference,
-    depth_weights,
-)
+from depthmix.kernels.depth_mix.reference import depth_mix_reference, depth_weights
 from depthmix.kernels.dispatch import lazy_attribute
 
 IMPLS = {"torch": ".reference:depth_mix_reference", "triton": ".function:depth_mix_triton"}
@@ -22,5 +17,4 @@ def __getattr__(name):
     return lazy_attribute(__name__, name, IMPLS.values())
 
 
-__all__ = ["IMPLS", "MIX_RULES", "MIXED_STATES", "depth_mix_reference", "depth_mix_triton",
-           "depth_weights"]
+__all__ = ["IMPLS", "depth_mix_reference", "depth_mix_triton", "depth_weights"]

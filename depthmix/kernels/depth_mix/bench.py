@@ -19,11 +19,12 @@ Without CUDA one smoke shape runs (fp32, ``ours`` only through the Triton interp
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from depthmix.kernels.bench_case import Case, fla_causal_attention, implementations
+from depthmix.kernels.roofline import BF16, FP32, Work, label_pairs
 from depthmix.megatron_ext.attention import causal_sdpa
 
 
@@ -102,4 +103,60 @@ def cases(smoke: bool) -> list:
                                for name, mix in mixes.items()})
             out.append(Case("depth_mix", f"attn+mix {label}", make, candidates,
                             baseline=attn_name))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# What the full shapes cost (depthmix.kernels.roofline) and launch (depthmix.kernels.gpu_report)
+# ---------------------------------------------------------------------------------------
+
+
+def _work(t: int, heads: int, g: int, d: int, s: int) -> tuple:
+    """Per token and KV head (``ng = heads / G``), ``S`` sources plus the layer itself:
+    group mean of ``G`` query heads (``(G + 1) d``), ``S + 1`` scores (``2d`` each) and
+    softmax (5 each), the weighted value sum (``2d`` each) and its normalisation (``d``).
+    Backward: the mean again, the scores, ``da_j = dv_out . v_j`` (``2d``), ``dq`` and
+    ``dk_j`` from ``dz_j`` (``3d``), ``dv_j = a_j dv_out`` (``d``) and the ``G`` copies of
+    ``dq``. Reads/writes: forward q, k, v, S source keys and values -> mixed value, fp32
+    lse; backward those inputs, lse, the value gradient -> gradients of all of them."""
+    ng = heads // g
+    rows = t * ng  # (token, KV head) pairs
+    ins = BF16 * t * d * (heads + (2 + 2 * s) * ng)
+    fwd = Work("depth_mix", "", "fwd", ins + BF16 * rows * d + FP32 * rows,
+               fp32_flops=rows * (d * (g + 1) + (s + 1) * (4 * d + 5) + d))
+    bwd = Work("depth_mix", "", "bwd", 2 * ins + BF16 * rows * d + FP32 * rows,
+               fp32_flops=rows * (d * (g + 2) + (s + 1) * (8 * d + 10)))
+    return fwd, bwd
+
+
+def roofline_work() -> list:
+    """Forward and backward :class:`Work` of every full shape (``mix_rule=softmax``,
+    ``mixed_state=value``)."""
+    return label_pairs([(f"T{x.t}-G{x.g}-hd{x.head_dim}",
+                         _work(x.t, x.heads, x.g, x.head_dim, x.sources))
+                        for x in shapes(smoke=False)])
+
+
+def gpu_launches(mixed_states: Sequence[str] = ("key_value", "value")) -> list:
+    """``mix_rule=softmax`` (the default; ``uniform`` has no score path), the benchmark's
+    ``mixed_state=value`` and ``key_value``, which keeps the most tiles live. Heaviest
+    first (both states, then the largest group), so that a config's first variant is the
+    one most likely to spill."""
+    from depthmix.kernels.depth_mix import triton as K
+    from depthmix.kernels.gpu_report import expand, meta, recorded_launches
+
+    out = []
+    for t, heads, g, hd, dtype, s in sorted(shapes(smoke=False), key=lambda s: -s.g):
+        ng = heads // g
+        q = meta(t, 1, heads, hd, dtype=dtype)
+        k, v = meta(t, 1, ng, hd, dtype=dtype), meta(t, 1, ng, hd, dtype=dtype)
+        src_k = [meta(t, 1, ng, hd, dtype=dtype) for _ in range(s)]
+        src_v = [meta(t, 1, ng, hd, dtype=dtype) for _ in range(s)]
+        for state in mixed_states:
+            flags = dict(softmax=True, mix_keys=state in ("key", "key_value"),
+                         mix_values=state in ("value", "key_value"), scale=hd ** -0.5)
+            with recorded_launches(K) as calls:
+                k_out, v_out, lse = K.depth_mix_fwd(q, k, v, src_k, src_v, **flags)
+                K.depth_mix_bwd(q, k, v, src_k, src_v, lse, k_out, v_out, **flags)
+            out += expand("depth_mix", f"G{g} hd{hd} S{s} {state}", K, calls)
     return out

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from depthmix.kernels._common import absent, empty_like_contiguous, present
-from depthmix.kernels.depth_mix.reference import MIX_RULES, MIXED_STATES, Sources
+from depthmix.kernels.depth_mix.reference import Sources
+from depthmix.mixers.depth_attn import MIX_RULES, MIXED_STATES
 from depthmix.kernels.depth_mix.triton import depth_mix_bwd, depth_mix_fwd
 
 

@@ -12,9 +12,7 @@ activations, Sinkhorn-Knopp, ``H_pre X``) and ``mhc_post_res_*`` (launch 2:
 
 from depthmix.kernels.dispatch import lazy_attribute
 from depthmix.kernels.mhc.reference import (
-    VARIANTS,
     MHCOps,
-    coefficient_width,
     mhc_coefficients,
     mhc_post_res_reference,
     mhc_pre,
@@ -37,8 +35,6 @@ def __getattr__(name):
 __all__ = [
     "IMPLS",
     "MHCOps",
-    "VARIANTS",
-    "coefficient_width",
     "mhc_coefficients",
     "mhc_post_res_reference",
     "mhc_post_res_triton",

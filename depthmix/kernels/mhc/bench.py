@@ -33,12 +33,13 @@ import torch
 
 from depthmix.kernels.bench_case import Case
 from depthmix.kernels.dispatch import triton_status
+from depthmix.kernels.roofline import BF16, FP32, Work, label_pairs
 from depthmix.kernels.mhc.reference import (
-    coefficient_width,
     mhc_post_res_reference,
     mhc_read_reference,
     sinkhorn_reference,
 )
+from depthmix.mixers.mhc import coefficient_width
 
 STREAMS, HIDDEN, ITERS, EPS, VARIANT = 4, 2048, 20, 1e-6, "mhc"
 
@@ -137,4 +138,102 @@ def cases(smoke: bool) -> list:
                         {name: _read(op) for name, op in ops["read"].items()}))
         out.append(Case("mhc", f"post_res {label}", _post_res_inputs(shape, device),
                         {name: _post_res(op) for name, op in ops["post_res"].items()}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# What the full shapes cost (depthmix.kernels.roofline) and launch (depthmix.kernels.gpu_report)
+# ---------------------------------------------------------------------------------------
+
+
+def _sinkhorn_flops(n: int, iters: int) -> tuple:
+    """Per matrix: forward (row max, ``exp``: ``3 n^2``; each iteration two sums and two
+    divisions, ``4 n^2``) and backward through stored iterates (one forward to get them,
+    ``8 n^2`` per iteration, the final ``* e0``). Our kernel stores nothing and recomputes
+    ``K (K - 1) / 2`` iterations instead (190 for ``K = 20``), about 4x this backward."""
+    fwd = 3 * n * n + 4 * iters * n * n
+    return fwd, fwd + 8 * iters * n * n + n * n
+
+
+def _sinkhorn(t: int, n: int, iters: int) -> tuple:
+    """fp32 logits ``[T, n, n]`` -> fp32 ``[T, n, n]``; backward logits and gradient in,
+    gradient out."""
+    fwd_flops, bwd_flops = _sinkhorn_flops(n, iters)
+    mat = FP32 * t * n * n
+    return (Work("mhc", "", "fwd", 2 * mat, fp32_flops=t * fwd_flops),
+            Work("mhc", "", "bwd", 3 * mat, fp32_flops=t * bwd_flops))
+
+
+def _mhc_read(t: int, n: int, h: int, m: int, iters: int) -> tuple:
+    """Tensor (``tf32x3``): the projection ``X phi`` (``2 n h m`` per token) forward,
+    ``dd phi^T`` and ``X^T dd`` backward. fp32 per token: sum of squares and ``H_pre X``
+    (``2 n h`` each), about 10 per coefficient, Sinkhorn (:func:`_sinkhorn_flops`);
+    backward ``X . dx_in`` (``2 n h``), the ``dX`` terms (``4 n h``), about 20 per
+    coefficient. Bytes: streams, ``phi``, gates, biases -> ``x_in``, ``H_pre``, ``H_post``,
+    ``H_res`` and the saved logits and ``rstd`` (fp32); backward those inputs, the saved
+    statistics and the four output gradients -> ``dX``, ``dphi``, gates, biases."""
+    sink_fwd, sink_bwd = _sinkhorn_flops(n, iters)
+    streams, params = BF16 * t * n * h, BF16 * (n * h * m + 3 + m)
+    coefs = FP32 * t * (2 * n + n * n)  # H_pre, H_post, H_res
+    saved = FP32 * t * (m + 1)  # dynamic logits, rstd
+    fwd = Work("mhc", "", "fwd", streams + params + BF16 * t * h + coefs + saved,
+               tensor_flops=2 * t * n * h * m, fp32_flops=t * (4 * n * h + 10 * m + sink_fwd),
+               precision="tf32x3")
+    bwd = Work("mhc", "", "bwd",
+               streams + params + FP32 * t * n + saved + BF16 * t * h + coefs + streams + params,
+               tensor_flops=4 * t * n * h * m, fp32_flops=t * (6 * n * h + 20 * m + sink_bwd),
+               precision="tf32x3")
+    return fwd, bwd
+
+
+def _mhc_post_res(t: int, n: int, h: int) -> tuple:
+    """``X' = H_res X + H_post^T y``: ``2 (n + 1)`` FLOPs per output element; backward
+    ``dy``, ``dX``, ``dH_post``, ``dH_res``: ``4 n (n + 1) h`` per token. Bytes: streams,
+    ``y`` (bf16), fp32 coefficients -> new streams; backward those and the stream gradient
+    -> gradients of all four."""
+    streams, y = BF16 * t * n * h, BF16 * t * h
+    coefs = FP32 * t * (n + n * n)
+    fwd = Work("mhc", "", "fwd", streams + y + coefs + streams,
+               fp32_flops=2 * (n + 1) * t * n * h)
+    bwd = Work("mhc", "", "bwd", 2 * streams + y + coefs + streams + y + coefs,
+               fp32_flops=4 * n * (n + 1) * t * h)
+    return fwd, bwd
+
+
+def roofline_work() -> list:
+    """Forward and backward :class:`Work` of every full shape: Sinkhorn alone, the read
+    (launch 1) and post/res (launch 2)."""
+    out = []
+    for x in shapes(smoke=False):
+        m = coefficient_width(VARIANT, x.streams)
+        label = f"T{x.t}-n{x.streams}-h{x.hidden}"
+        out += [(f"sinkhorn T{x.t}-n{x.streams}-it{ITERS}",
+                 _sinkhorn(x.t, x.streams, ITERS)),
+                (f"read {label}", _mhc_read(x.t, x.streams, x.hidden, m, ITERS)),
+                (f"post_res {label}", _mhc_post_res(x.t, x.streams, x.hidden))]
+    return label_pairs(out)
+
+
+def gpu_launches() -> list:
+    """Sinkhorn alone (fp32 logits), the read and the post/res launches (bf16 streams);
+    every output gradient present, as autograd materialises them."""
+    from depthmix.kernels.mhc import triton as K
+    from depthmix.kernels.gpu_report import expand, meta, recorded_launches
+
+    out = []
+    for t, n, h, dtype in shapes(smoke=False):
+        m = coefficient_width(VARIANT, n)
+        logits = meta(t, n, n, dtype=torch.float32)
+        x, y = meta(t, n, h, dtype=dtype), meta(t, h, dtype=dtype)
+        phi, alpha, bias = (meta(n * h, m, dtype=dtype), meta(3, dtype=dtype),
+                            meta(m, dtype=dtype))
+        with recorded_launches(K) as calls:
+            K.sinkhorn_bwd(logits, K.sinkhorn_fwd(logits, ITERS), ITERS)
+            x_in, h_pre, h_post, h_res, dyn, rstd = K.mhc_read_fwd(
+                x, phi, alpha, bias, VARIANT, ITERS, EPS)
+            K.mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, x_in, h_pre, h_post, h_res,
+                           VARIANT, ITERS)
+            K.mhc_post_res_fwd(x, y, h_post, h_res)
+            K.mhc_post_res_bwd(x, y, h_post, h_res, x)
+        out += expand("mhc", f"{VARIANT} n{n} h{h}", K, calls)
     return out

@@ -43,6 +43,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from depthmix.kernels.bench_case import Case, fla_causal_attention, implementations
+from depthmix.kernels.roofline import BF16, FP32, Work, label_pairs
 from depthmix.megatron_ext.attention import causal_sdpa
 
 NUM_HEADS, HEAD_DIM, NUM_LAYERS = 16, 128, 48
@@ -61,7 +62,7 @@ class Shape(NamedTuple):
 
 def depth_entries(num_layers: int = NUM_LAYERS) -> int:
     """Depth entries the middle layer reads under the default ``mixer=moda`` options."""
-    from depthmix.mixers.moda.model import MoDAGeometry
+    from depthmix.mixers.moda import MoDAGeometry
 
     geo = MoDAGeometry(num_layers, 1, ffn_kv_proj=True, depth_window=None)
     return len(geo.visible(num_layers // 2))
@@ -150,4 +151,58 @@ def cases(smoke: bool) -> list:
                             f"moda/paper row {row[0]} {_label(shape)} (paper x{paper:.3f})",
                             _inputs(shape, device), {**plain, **ours},
                             baseline=next(iter(plain))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# What the full shapes cost (depthmix.kernels.roofline) and launch (depthmix.kernels.gpu_report)
+# ---------------------------------------------------------------------------------------
+
+
+def _work(t: int, heads: int, g: int, d: int, depth: int) -> tuple:
+    """Scores a query row sees: ``(T + 1) / 2`` causal keys on average plus its ``D`` depth
+    entries; useful pairs ``P = heads (T (T + 1) / 2 + T D)`` (masked and padded tile
+    entries are not counted). Tensor FLOPs: ``QK^T`` and ``PV`` forward (``4 d P``); five
+    products backward (``QK^T`` again, ``dO V^T``, ``P^T dO``, ``dS^T Q``, ``dS K``:
+    ``10 d P``; our kernels recompute ``QK^T`` and ``dO V^T`` once more, in the dK/dV and
+    the dQ kernel). fp32: 4 per score forward (scale, max, exp, sum), 5 backward (exp,
+    ``P (dP - delta)``), and ``delta = rowsum(dO * O)``. Bytes: q, k, v, depth k/v -> o,
+    fp32 lse per row; backward those, o, dO, lse -> the five gradients."""
+    ng = heads // g
+    pairs = heads * (t * (t + 1) / 2 + t * depth)
+    qo = BF16 * t * heads * d  # one [T, heads, d] tensor
+    kv = BF16 * t * ng * d * (2 + 2 * depth)  # k, v and the depth k, v
+    lse = FP32 * t * heads
+    fwd = Work("moda_attention", "", "fwd", qo + kv + qo + lse,
+               tensor_flops=4 * d * pairs, fp32_flops=4 * pairs)
+    bwd = Work("moda_attention", "", "bwd", 3 * qo + kv + lse + qo + kv,
+               tensor_flops=10 * d * pairs, fp32_flops=5 * pairs + 2 * t * heads * d)
+    return fwd, bwd
+
+
+def roofline_work() -> list:
+    """Forward and backward :class:`Work` of every full shape and paper row."""
+    full = [(f"T{x.t}-G{x.g}-hd{x.head_dim}-D{x.depth}", x) for x in shapes(False)]
+    full += [(f"paper row {row[0]}: T{x.t}-G{x.g}-hd{x.head_dim}-D{x.depth}-np{x.heads}", x)
+             for row, x in zip(PAPER_ROWS, paper_shapes())]
+    return label_pairs([(label, _work(x.t, x.heads, x.g, x.head_dim, x.depth))
+                        for label, x in full])
+
+
+def gpu_launches() -> list:
+    """The 3B-layout shapes and the MoDA paper's rows, tiles from ``default_tiles``."""
+    from depthmix.kernels.moda_attention import triton as K
+    from depthmix.kernels.gpu_report import expand, meta, recorded_launches
+
+    out = []
+    for t, heads, g, hd, d, dtype in shapes(smoke=False) + paper_shapes():
+        ng = heads // g
+        q = meta(t, 1, heads, hd, dtype=dtype)
+        k, v = meta(t, 1, ng, hd, dtype=dtype), meta(t, 1, ng, hd, dtype=dtype)
+        kd, vd = meta(t, 1, ng, d, hd, dtype=dtype), meta(t, 1, ng, d, hd, dtype=dtype)
+        tiles = K.default_tiles(hd, g, d)
+        with recorded_launches(K) as calls:
+            o, lse = K.moda_attention_fwd(q, k, v, kd, vd, d, hd ** -0.5, tiles)
+            K.moda_attention_bwd(o, q, k, v, kd, vd, o, lse, d, hd ** -0.5, tiles)
+        out += expand("moda_attention", f"G{g} hd{hd} D{d}", K, calls)
     return out

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
-from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, model_spec_in
-from depthmix.mixers.base import SavedActivations
+from depthmix.mixers.base import SUMMED, ExtraParams, Mixer, MixerConfig, SavedActivations
+from depthmix.mixers.base import LOOPED, Variant, model_hook
 from depthmix.config.schema import ConfigError
 from depthmix.planning.depth_plan import STEM, DepthState, Entry
 
@@ -90,10 +90,8 @@ class BlockAttnResConfig(MixerConfig):
     def validate(self, model, parallel) -> None:
         super().validate(model, parallel)
         _check_pre_norm(model)
-        if self.num_blocks < 1:
-            raise ConfigError(f"mixer.num_blocks={self.num_blocks} must be >= 1")
-        if self.block_size is not None and self.block_size < 1:
-            raise ConfigError(f"mixer.block_size={self.block_size} must be >= 1")
+        self.check_at_least("num_blocks", 1)
+        self.check_at_least("block_size", 1)
         sublayers = 2 * model.num_layers * model.n_loops
         if self.block_size is not None and self.block_size > sublayers:
             raise ConfigError(
@@ -276,15 +274,21 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
         layers[geo.layer_of(i)] = layers.get(geo.layer_of(i), 0.0) + per_read(i)
     return SavedActivations(layers=layers, head=per_read(geo.head))
 
-MIXER_FULL = Mixer(saved_activations=saved_activations, name="attnres_full", config_cls=AttnResConfig,
-                   model_spec=model_spec_in("attnres", "get_attnres_model_spec"),
-                   plan=attnres_plan,
-                   extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
-                   extra_params=extra_params)
-MIXER_BLOCK = Mixer(saved_activations=saved_activations, name="attnres_block", config_cls=BlockAttnResConfig,
-                    model_spec=model_spec_in("attnres", "get_attnres_model_spec"),
-                   plan=attnres_plan,
-                    extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
-                    extra_params=extra_params,
-                    bind=model_spec_in("attnres", "bind_two_phase"))
+_HOOKS = dict(plan=attnres_plan, model_spec=model_hook(__name__, "get_attnres_model_spec"),
+              kernels=("attnres",), extra_flops_per_token=extra_flops_per_token,
+              extra_io_per_token=extra_io_per_token, extra_params=extra_params,
+              saved_activations=saved_activations)
+MIXER_FULL = Mixer(name="attnres_full", config_cls=AttnResConfig, **_HOOKS,
+                   variants=(Variant(recompute_rtol=SUMMED),))
+MIXER_BLOCK = Mixer(
+    name="attnres_block", config_cls=BlockAttnResConfig, **_HOOKS,
+    bind=model_hook(__name__, "bind_two_phase"),
+    variants=(
+        Variant("bs4", {"block_size": 4}, checks=("decode", "recompute", "generate"),
+                recompute_rtol=SUMMED),
+        Variant("bs3", {"block_size": 3}, checks=("transport",)),
+        Variant("bs2", {"block_size": 2}, checks=("accounting", "parity", "kernels")),
+        Variant("bs4-looped-swa3", {"block_size": 4, "short_swa_window": 3}, model=LOOPED,
+                checks=("accounting",)),
+    ))
 MIXERS = {m.name: m for m in (MIXER_FULL, MIXER_BLOCK)}

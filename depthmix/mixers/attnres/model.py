@@ -1,5 +1,5 @@
-"""Attention Residuals, Full and Block (seeds 001/002): softmax attention over depth
-replaces the residual sum.
+"""Attention Residuals, Full and Block (the Attention Residuals paper): softmax attention
+over depth replaces the residual sum.
 
 Sublayers are numbered ``i = 1..N`` over the unrolled model (``N = 2 * layers``; layer
 ``l``'s attention is ``2l + 1``, its MLP ``2l + 2``), ``y_0`` is the embedding output and
@@ -39,18 +39,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
-from depthmix.mixers.attnres import (  # noqa: F401  (re-exported)
-    MIXER_BLOCK,
-    MIXER_FULL,
-    MIXERS,
-    AttnResConfig,
-    AttnResGeometry,
-    BlockAttnResConfig,
-    attnres_plan,
-    extra_flops_per_token,
-    extra_io_per_token,
-    extra_params,
-)
+from depthmix.mixers.attnres import AttnResGeometry
 from depthmix.kernels.attnres.two_phase import inter_block_partials, merge_partial
 from depthmix.kernels.dispatch import select
 from depthmix.megatron_ext.context import ForwardContext

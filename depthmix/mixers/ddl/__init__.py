@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, model_spec_in
-from depthmix.mixers.base import SavedActivations
+from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, SavedActivations, Variant
+from depthmix.mixers.base import LOOPED, model_hook
 from depthmix.config.schema import ConfigError
 from depthmix.planning.depth_plan import STEM, Entry
 
@@ -34,16 +34,13 @@ class DDLConfig(MixerConfig):
 
     def validate(self, model, parallel) -> None:
         super().validate(model, parallel)
-        if self.value_channels < 1:
-            raise ConfigError(f"mixer.value_channels={self.value_channels} must be >= 1")
+        self.check_at_least("value_channels", 1)
         if not 0.0 < self.beta_init < 2.0:
             raise ConfigError(f"mixer.beta_init={self.beta_init} must be in (0, 2) "
                               "(beta = 2 sigmoid(.) never reaches 0 or 2)")
         if not self.v_scale > 0.0:
             raise ConfigError(f"mixer.v_scale={self.v_scale} must be > 0")
-        if model.norm_position != "pre":
-            raise ConfigError(f"mixer=ddl needs pre-norm blocks (model.norm_position="
-                              f"{model.norm_position!r}; set model.norm_position=pre)")
+        self.check_pre_norm(model)
 
 
 def ddl_plan(config, tp: int) -> List[Entry]:
@@ -102,7 +99,14 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
     return SavedActivations(layers={u: per for u in range(config.unrolled_layers)},
                             head=h * dv / t)
 
-MIXER = Mixer(name="ddl", saved_activations=saved_activations, config_cls=DDLConfig,
-              model_spec=model_spec_in("ddl", "get_ddl_model_spec"), plan=ddl_plan,
-              extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
-              extra_params=extra_params)
+MIXER = Mixer(
+    name="ddl", config_cls=DDLConfig, plan=ddl_plan,
+    model_spec=model_hook(__name__, "get_ddl_model_spec"),
+    extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
+    extra_params=extra_params, saved_activations=saved_activations,
+    variants=(
+        Variant(checks=("accounting", "generate", "parity")),
+        Variant("vc3", {"value_channels": 3}, checks=("decode", "recompute", "transport")),
+        Variant("vc2-swa3", {"value_channels": 2, "short_swa_window": 3}, checks=("decode",)),
+        Variant("vc2-looped", {"value_channels": 2}, model=LOOPED, checks=("accounting",)),
+    ))

@@ -28,14 +28,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
-from depthmix.mixers.ddl import (  # noqa: F401  (re-exported)
-    MIXER,
-    STATE,
-    DDLConfig,
-    ddl_plan,
-    extra_flops_per_token,
-    extra_params,
-)
+from depthmix.mixers.ddl import STATE
 from depthmix.megatron_ext.layer import ResidualOp
 from depthmix.megatron_ext.layer import mark_mixing_parameter
 from depthmix.megatron_ext.model import seeded_init

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, model_spec_in
+from depthmix.mixers.base import LOOPED, SUMMED, ExtraParams, Mixer, MixerConfig, Variant
+from depthmix.mixers.base import model_hook
 from depthmix.mixers.base import SavedActivations
-from depthmix.config.schema import ConfigError
 from depthmix.planning.depth_plan import STEM, Entry
 
 
@@ -27,10 +27,8 @@ class DenseFormerConfig(MixerConfig):
 
     def validate(self, model, parallel) -> None:
         super().validate(model, parallel)
-        if self.dilation < 1:
-            raise ConfigError(f"mixer.dilation={self.dilation} must be >= 1")
-        if self.period < 1:
-            raise ConfigError(f"mixer.period={self.period} must be >= 1")
+        self.check_at_least("dilation", 1)
+        self.check_at_least("period", 1)
 
 
 @dataclass(frozen=True)
@@ -135,7 +133,15 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
         i - 1: config.hidden_size / t
         for i in range(1, config.unrolled_layers + 1) if geo.has_dwa(i)})
 
-MIXER = Mixer(name="denseformer", saved_activations=saved_activations, config_cls=DenseFormerConfig,
-              model_spec=model_spec_in("denseformer", "get_denseformer_model_spec"), plan=denseformer_plan,
-              extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
-              extra_params=extra_params)
+MIXER = Mixer(
+    name="denseformer", config_cls=DenseFormerConfig, plan=denseformer_plan,
+    model_spec=model_hook(__name__, "get_denseformer_model_spec"),
+    extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
+    extra_params=extra_params, saved_activations=saved_activations,
+    variants=(
+        Variant(checks=("accounting", "generate", "parity")),
+        Variant("k2p1", {"dilation": 2, "period": 1}, checks=("decode", "recompute", "transport"),
+                recompute_rtol=SUMMED),
+        Variant("k2p2", {"dilation": 2, "period": 2}, checks=("accounting",)),
+        Variant("p2-looped", {"period": 2}, model=LOOPED, checks=("accounting",)),
+    ))

@@ -28,14 +28,7 @@ from typing import Any, List, Tuple
 import torch
 from torch import Tensor
 
-from depthmix.mixers.denseformer import (  # noqa: F401  (re-exported)
-    MIXER,
-    DenseFormerConfig,
-    DWAGeometry,
-    denseformer_plan,
-    extra_flops_per_token,
-    extra_params,
-)
+from depthmix.mixers.denseformer import DWAGeometry
 from depthmix.megatron_ext.context import ForwardContext
 from depthmix.planning.depth_plan import DepthState
 from depthmix.megatron_ext.layer import HIDDEN, ResidualOp, StateHook

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional, Tuple
 
-from depthmix.mixers.base import Mixer, MixerConfig, model_spec_in, residual_stream_entry
+from depthmix.mixers.base import LOOPED, SUMMED, Mixer, MixerConfig, Variant, model_hook
+from depthmix.mixers.base import residual_stream_entry
 from depthmix.mixers.base import SavedActivations
 from depthmix.config.schema import ConfigError
 from depthmix.planning.depth_plan import Entry
@@ -112,8 +113,7 @@ class DepthAttnConfig(MixerConfig):
     def validate(self, model, parallel) -> None:
         super().validate(model, parallel)
         depth = model.num_layers * model.n_loops
-        if self.stride is not None and self.stride < 1:
-            raise ConfigError(f"mixer.stride={self.stride} must be >= 1")
+        self.check_at_least("stride", 1)
         stride = self.stride if self.stride is not None else default_stride(depth)
         looped = self.own_loops and model.n_loops > 1
         if not DepthSchedule(depth, stride, self.source_mode,
@@ -228,8 +228,22 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
         u: 2 * kv * dh + kv * (len(schedule.sources(u)) + 1)
         for u in range(config.unrolled_layers) if schedule.sources(u)})
 
-MIXER = Mixer(name="depth_attn", saved_activations=saved_activations,
-              view_entries=view_entries, config_cls=DepthAttnConfig,
-              model_spec=model_spec_in("depth_attn", "get_depth_attn_model_spec"),
-              plan=depth_attn_plan, extra_flops_per_token=extra_flops_per_token,
-              extra_io_per_token=extra_io_per_token, extra_state_per_token=lambda config: 0)
+MIXER = Mixer(
+    name="depth_attn", config_cls=DepthAttnConfig, plan=depth_attn_plan,
+    model_spec=model_hook(__name__, "get_depth_attn_model_spec"), kernels=("depth_mix",),
+    extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
+    extra_state_per_token=lambda config: 0, saved_activations=saved_activations,
+    view_entries=view_entries,
+    variants=(
+        Variant(checks=("accounting", "generate")),
+        Variant("s1", {"stride": 1}, checks=("decode", "recompute", "parity", "kernels"),
+                recompute_rtol=SUMMED),
+        Variant("s1-mha", {"stride": 1}, model={"num_query_groups": 4}, checks=("decode",)),
+        Variant("s1-key_value", {"stride": 1, "mixed_state": "key_value"},
+                checks=("decode", "recompute", "accounting"), recompute_rtol=SUMMED),
+        Variant("s1-looped", {"stride": 1}, model=LOOPED, checks=("decode", "accounting")),
+        Variant("s1-uniform-relative", {"stride": 1, "mix_rule": "uniform",
+                                         "source_mode": "relative"}, checks=("accounting",)),
+        Variant("s2", {"stride": 2}, checks=("transport",)),
+        Variant("s3-key_value", {"stride": 3, "mixed_state": "key_value"}, checks=("transport",)),
+    ))

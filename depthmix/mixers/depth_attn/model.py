@@ -30,18 +30,7 @@ import dataclasses
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from depthmix.mixers.depth_attn import (  # noqa: F401  (re-exported)
-    MIXER,
-    SOURCE_MODES,
-    DepthAttnConfig,
-    DepthSchedule,
-    default_stride,
-    depth_attn_plan,
-    depth_sources,
-    extra_flops_per_token,
-    key_name,
-    value_name,
-)
+from depthmix.mixers.depth_attn import DepthSchedule, key_name, value_name
 from depthmix.kernels.depth_mix import depth_weights
 from depthmix.kernels.dispatch import select
 from depthmix.megatron_ext.context import ForwardContext

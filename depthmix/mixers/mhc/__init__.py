@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Tuple
 
-from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, model_spec_in
+from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, Variant, model_hook
 from depthmix.mixers.base import SavedActivations
-from depthmix.config.schema import ConfigError
 from depthmix.planning.depth_plan import STEM, Entry
 
 VARIANTS = ("mhc", "hc", "identity")
@@ -46,13 +45,9 @@ class MHCConfig(MixerConfig):
 
     def validate(self, model, parallel) -> None:
         super().validate(model, parallel)
-        if self.streams < 1:
-            raise ConfigError(f"mixer.streams={self.streams} must be >= 1")
-        if self.sinkhorn_iters < 1:
-            raise ConfigError(f"mixer.sinkhorn_iters={self.sinkhorn_iters} must be >= 1")
-        if model.norm_position != "pre":
-            raise ConfigError(f"mixer=mhc needs pre-norm blocks (model.norm_position="
-                              f"{model.norm_position!r}; set model.norm_position=pre)")
+        self.check_at_least("streams", 1)
+        self.check_at_least("sinkhorn_iters", 1)
+        self.check_pre_norm(model)
 
 
 def mhc_plan(config, tp: int) -> List[Entry]:
@@ -120,7 +115,23 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
     t = tp if config.sequence_parallel else 1
     return SavedActivations(layers={u: 2 * per / t for u in range(config.unrolled_layers)})
 
-MIXER = Mixer(name="mhc", saved_activations=saved_activations, config_cls=MHCConfig,
-              model_spec=model_spec_in("mhc", "get_mhc_model_spec"), plan=mhc_plan,
-              extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
-              extra_params=extra_params)
+MIXER = Mixer(
+    name="mhc", config_cls=MHCConfig, plan=mhc_plan,
+    model_spec=model_hook(__name__, "get_mhc_model_spec"), kernels=("mhc",),
+    extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
+    extra_params=extra_params, saved_activations=saved_activations,
+    variants=(
+        Variant(checks=("accounting", "generate")),
+        Variant("n3", {"streams": 3}, checks=("decode", "recompute")),
+        Variant("hc-n3", {"variant": "hc", "streams": 3},
+                checks=("decode", "recompute", "accounting")),
+        Variant("identity-n3", {"variant": "identity", "streams": 3},
+                checks=("decode", "recompute")),
+        Variant("n2-swa3", {"streams": 2, "short_swa_window": 3}, checks=("decode",)),
+        Variant("hc-n2-swa3", {"variant": "hc", "streams": 2, "short_swa_window": 3},
+                checks=("decode",)),
+        Variant("identity-swa5", {"variant": "identity", "short_swa_window": 5},
+                checks=("accounting",)),
+        Variant("n4", {"streams": 4}, checks=("transport",)),
+        Variant("n2", {"streams": 2}, checks=("parity", "kernels")),
+    ))

@@ -30,16 +30,9 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from depthmix.mixers.mhc import (  # noqa: F401  (re-exported)
-    MIXER,
-    STREAMS,
-    MHCConfig,
-    extra_flops_per_token,
-    extra_params,
-    mhc_plan,
-)
+from depthmix.mixers.mhc import STREAMS, coefficient_width
 from depthmix.kernels.dispatch import select
-from depthmix.kernels.mhc import coefficient_width, mhc_coefficients
+from depthmix.kernels.mhc import mhc_coefficients
 from depthmix.megatron_ext.layer import ResidualOp
 from depthmix.megatron_ext.layer import mark_mixing_parameter
 from depthmix.megatron_ext.model import seeded_init

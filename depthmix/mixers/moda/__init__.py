@@ -10,15 +10,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
-from depthmix.mixers.base import (
-    SavedActivations,
-    ExtraParams,
-    Mixer,
-    MixerConfig,
-    model_spec_in,
-    plan_state_per_token,
-    residual_stream_entry,
-)
+from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, SavedActivations, Variant
+from depthmix.mixers.base import LOOPED, model_hook, plan_state_per_token, residual_stream_entry
 from depthmix.config.schema import ConfigError
 from depthmix.planning.depth_plan import HIDDEN, Entry
 
@@ -273,9 +266,26 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
                 config.hidden_size / t + 3 * kv * dh + kv + 2 * dh / micro_batch)
     return SavedActivations(layers=layers)
 
-MIXER = Mixer(name="moda", saved_activations=saved_activations,
-              view_entries=view_entries, config_cls=MoDAConfig,
-              model_spec=model_spec_in("moda", "get_moda_model_spec"), plan=moda_plan,
-              extra_flops_per_token=extra_flops_per_token,
-              extra_io_per_token=extra_io_per_token, extra_state_per_token=extra_state_per_token,
-              extra_params=extra_params)
+MIXER = Mixer(
+    name="moda", config_cls=MoDAConfig, plan=moda_plan,
+    model_spec=model_hook(__name__, "get_moda_model_spec"), kernels=("moda_attention",),
+    extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
+    extra_state_per_token=extra_state_per_token, extra_params=extra_params,
+    saved_activations=saved_activations, view_entries=view_entries,
+    variants=(
+        Variant(prefill=1, checks=("decode", "recompute", "transport", "accounting", "generate",
+                                   "kernels")),
+        Variant("attn_kv-w3-post", {"attn_kv_proj": True, "depth_window": 3},
+                model={"norm_position": "post"}, prefill=5, checks=("decode", "recompute")),
+        Variant("no_ffn_kv-mha", {"ffn_kv_proj": False}, model={"num_query_groups": 4},
+                prefill=1, checks=("decode",)),
+        Variant("w2-post-mha", {"depth_window": 2},
+                model={"norm_position": "post", "num_query_groups": 4}, checks=("decode",)),
+        Variant("w3", {"depth_window": 3}, checks=("transport",)),
+        Variant("attn_kv", {"attn_kv_proj": True}, checks=("accounting",)),
+        Variant("no_ffn_kv-w2", {"ffn_kv_proj": False, "depth_window": 2}, checks=("accounting",)),
+        Variant("attn_kv-w3-swa2-looped", {"attn_kv_proj": True, "depth_window": 3,
+                                            "short_swa_window": 2},
+                model=LOOPED, checks=("accounting",)),
+        Variant("attn_kv-w3", {"attn_kv_proj": True, "depth_window": 3}, checks=("parity",)),
+    ))

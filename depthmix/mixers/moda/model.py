@@ -44,17 +44,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
-from depthmix.mixers.moda import (  # noqa: F401  (re-exported)
-    ATTN,
-    MIXER,
-    MLP,
-    MoDAConfig,
-    MoDAGeometry,
-    Source,
-    extra_flops_per_token,
-    extra_params,
-    moda_plan,
-)
+from depthmix.mixers.moda import ATTN, MLP, MoDAGeometry, Source
 from depthmix.kernels.dispatch import select
 from depthmix.kernels.moda_attention import moda_attention_reference, moda_depth_weights
 from depthmix.megatron_ext.attention import DepthMixSelfAttention, SDPACoreAttention, causal_sdpa

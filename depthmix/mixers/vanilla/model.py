@@ -1,6 +1,5 @@
 """Vanilla: the plain residual decoder every method is compared against."""
 
-from depthmix.mixers.vanilla import MIXER  # noqa: F401  (re-exported)
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
 
 
