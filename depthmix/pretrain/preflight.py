@@ -8,7 +8,8 @@ the checks that touch files:
   ``depthmix.data.integrity.check_prefix`` where that module exists); ``data.split`` gives
   every split with a positive weight at least one document (Megatron would loop for ever);
 * tokenizer: ``data.tokenizer`` loads and its vocabulary fits ``model.vocab_size``;
-* checkpoints: the save directory exists as a writable directory or can be created;
+* checkpoints (:mod:`depthmix.checkpoint.store`): the save directory exists as a writable
+  directory or can be created; the checkpoint a run would resume fits its configuration;
 * compilation (``train.compile=true``): a recent enough torch, a C++ compiler for inductor
   on CPU, and no option the compiled layers cannot run.
 
@@ -23,6 +24,7 @@ import shutil
 import struct
 from typing import List, Optional
 
+from depthmix.checkpoint.store import check_save_dir, preflight_checkpoint
 from depthmix.config.schema import ConfigError, RunConfig
 from depthmix.config.validate import parse_blend, split_weights, validate
 
@@ -38,8 +40,6 @@ def preflight(run: RunConfig, world_size: int, data: bool = True) -> None:
         check_data(run)
     check_save_dir(run)
     check_compile(run)
-    from depthmix.checkpoint.store import preflight_checkpoint
-
     preflight_checkpoint(run)  # a checkpoint of another configuration is refused here
 
 
@@ -130,25 +130,3 @@ def check_data(run: RunConfig) -> None:
     from depthmix.data.tokenizer import load_tokenizer
 
     load_tokenizer(d.tokenizer, "data.tokenizer", run.model.vocab_size)
-
-
-# ------------------------------------------------------------------------ save directory
-def save_dir(run: RunConfig) -> str:
-    return run.train.save_dir or os.path.join(run.output_dir, "checkpoints")
-
-
-def check_save_dir(run: RunConfig) -> None:
-    """The save directory is a writable directory, or its nearest existing parent is."""
-    path = os.path.abspath(os.path.expanduser(save_dir(run)))
-    option = "train.save_dir" if run.train.save_dir else "output_dir (checkpoints/ in it)"
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        raise ConfigError(f"{option}: {path} cannot be created: {probe} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        what = "is not writable" if probe == path else f"cannot be created ({probe} is not writable)"
-        raise ConfigError(f"{option}: {path} {what}")
