@@ -380,7 +380,8 @@ def check_save_dir(run) -> None:
     if not os.path.isdir(probe):
         raise ConfigError(f"{option}: {path} cannot be created: {probe} is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
-        what = "is not writable" if probe == path else f"cannot be created ({probe} is not writable)"
+        what = ("is not writable" if probe == path
+                else f"cannot be created ({probe} is not writable)")
         raise ConfigError(f"{option}: {path} {what}")
 
 

@@ -175,8 +175,7 @@ class HealthGuard:
         loss and gradient norm were finite; ``confirmed`` later, by the next step."""
         loss = last.loss if last is not None else None
         grad_norm = last.grad_norm if last is not None else None
-        healthy = last is None or (_finite(loss) and _finite(grad_norm)
-                                   and not getattr(last, "nonfinite", False))
+        healthy = last is None or (_finite(loss) and _finite(grad_norm) and not last.nonfinite)
         return {"healthy": healthy, "confirmed": False, "loss": _json_number(loss),
                 "grad_norm": _json_number(grad_norm), "nonfinite_steps": self.total,
                 "rollbacks": self.rollbacks}

@@ -132,8 +132,8 @@ class Trainer:
         """Collective: restore the model (and unless ``weights_only`` the optimizer, schedule,
         RNG and data position) from the checkpoint directory ``path``."""
         loaded = distributed.load(path, run=self.run, model=self.model, topo=self.topo,
-                           optimizer=self.optimizer, scheduler=self.scheduler,
-                           weights_only=weights_only)
+                                  optimizer=self.optimizer, scheduler=self.scheduler,
+                                  weights_only=weights_only)
         if loaded.step is not None:
             self.state.step, self.state.consumed_samples = loaded.step, loaded.consumed_samples
         self.state.resumed_from, self.state.weights_only = path, loaded.weights_only
