@@ -1,1 +1,5 @@
-"""Checkpoints: files on disk and which one a run resumes, the model record, integrity manifests, the save guard and Megatron distributed save/load."""
+"""Checkpoints, one concern per module: ``store`` (files on disk, tracker, metadata, health
+marks, which checkpoint a run resumes), ``retention`` (the one keep/prune rule),
+``guard`` (save-dir lock, room for a checkpoint, clean failure of a save),
+``distributed`` (Megatron dist_checkpointing save/load), ``integrity`` (file manifests) and
+``record`` (the model record). No other module touches checkpoint files."""

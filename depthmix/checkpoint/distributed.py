@@ -1,37 +1,8 @@
-"""Distributed checkpoints: write, then publish; find the latest; load (also into another layout).
+"""Megatron distributed checkpoints: what goes into one, save (write, then publish), load
+(also into another layout), and which intact checkpoint a run resumes or rolls back to.
 
-Layout of ``train.save_dir``::
-
-    latest_checkpointed_iteration.txt   the step of the newest complete checkpoint (tracker)
-    iter_0000500/                       one Megatron distributed checkpoint (torch_dist)
-        depthmix.json                   written last: step, layout, format, model record,
-                                        health mark, size/checksum of every other file;
-                                        marks it complete
-        tokenizer.json                  the run's tokenizer (when it has a file)
-        common.pt, metadata.json, *.distcp, ...
-    wandb_run_id.txt                    the W&B run this directory's training logs to
-
-**Write, then publish.** Every rank writes its shards into ``.tmp_iter_0000500``; after a
-barrier rank 0 writes ``depthmix.json``, renames the directory to ``iter_0000500`` and then
-replaces the tracker atomically (write ``tracker.tmp``, fsync, ``os.replace``). A crash at
-any point leaves the previous tracker pointing at a complete checkpoint; leftovers
-(``.tmp_*``, ``.trash_*``) are ignored and removed by the next save. Old checkpoints beyond
-``train.keep_last`` are renamed to ``.trash_*`` before deletion, so a half-deleted
-directory never looks like a checkpoint; the newest *healthy* checkpoint (saved after a
-finite step, see ``health.py``) is never pruned.
-
-A checkpoint's health mark (``health`` in ``depthmix.json``) is written at save (the last
-step's loss and gradient norm were finite) and settled by the next step: ``confirmed``
-when it is finite, demoted to unhealthy when it is not (its weights gave NaN/inf).
-Retention keeps the newest healthy and the newest confirmed checkpoint.
-
-**Which checkpoint a resume uses** (:func:`resume_candidates`, :func:`first_intact`): the
-tracker's step (a missing or unreadable tracker: the newest complete ``iter_*``, with a
-warning), preferring the newest healthy checkpoint at or below it; one whose files do not
-match their recorded sizes/checksums is skipped for the previous one, with a warning. The
-checkpoint's model record must match the run (:func:`check_record`), else the start is
-refused before the model is built (:func:`preflight_checkpoint`), unless
-``train.load_weights_only=true``.
+The files and the save directory's layout are :mod:`depthmix.checkpoint.store`'s; what is
+kept, :mod:`.retention`'s; the lock, room and clean failure, :mod:`.guard`'s.
 
 **Contents.** Model chunks (``model`` or ``model0``, ``model1``, ... with virtual stages;
 tensor keys use global layer indices, so any TP/PP layout can load them), the optimizer
@@ -40,16 +11,18 @@ tensor keys use global layer indices, so any TP/PP layout can load them), the op
 ``consumed_train_samples`` (the data position), and every rank's RNG states (Python, NumPy,
 torch, CUDA and Megatron's model-parallel tracker), restored only when the layout is
 unchanged.
+
+**Resume** (:func:`resume_point`): the first of :func:`store.resume_candidates` whose files
+match the sizes/checksums recorded at save (:func:`first_intact`); a damaged one is skipped
+for the previous one, with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -62,50 +35,11 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
+from depthmix.checkpoint import guard, integrity, retention, store
 from depthmix.checkpoint.record import mismatches, record
 from depthmix.config.schema import ConfigError
-from depthmix.config.validate import CKPT_OPTIM_FORMATS
-from depthmix.checkpoint import integrity, guard as save_guard
-from depthmix.pretrain.state import TrainState
-from depthmix.checkpoint.store import (  # noqa: F401  (re-exported)
-    TRACKER,
-    META,
-    TOKENIZER,
-    FORMAT_VERSION,
-    step_dir,
-    is_complete,
-    read_meta,
-    latest_checkpoint,
-    list_checkpoints,
-    _meta_or_none,
-    is_healthy,
-    newest_healthy,
-    set_health,
-    resume_candidates,
-    resume_source,
-    default_save_dir,
-    check_record,
-    preflight_checkpoint,
-    _fsync_dir,
-    _write_atomic,
-    _remove,
-)
 
 log = logging.getLogger("depthmix")
-
-OPTIM_FORMATS = CKPT_OPTIM_FORMATS
-
-
-def first_intact(candidates: list, mode: str) -> Optional[str]:
-    """Collective: the first of ``candidates`` whose files match the sizes/checksums
-    recorded at save (``train.ckpt_integrity``); damaged ones are skipped with a warning."""
-    for i, path in enumerate(candidates):
-        problems = integrity.verify(path, read_meta(path).get("files"), mode)
-        if not problems:
-            return path
-        log.warning("checkpoint %s is damaged (%s)%s", path, "; ".join(problems[:4]),
-                    f"; trying {candidates[i + 1]}" if i + 1 < len(candidates) else "")
-    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,68 +154,52 @@ def _load_strategy(path: str, fully_parallel: bool):
 # ---------------------------------------------------------------------------------------
 
 
-@save_guard.guarded  # room before, clean failure after: see save_guard
-def save(root: str, *, run, model, optimizer, scheduler, topo, state: TrainState,
-         keep_last: int = 2, estimate: Optional[int] = None, health: Optional[dict] = None,
-         tokenizer: Optional[str] = None, extra_meta: Optional[dict] = None) -> str:
-    """Collective: write the checkpoint of ``state.step`` and publish it. Returns its path.
+def save(root: str, *, run, model, optimizer, scheduler, topo, step: int,
+         consumed_samples: int, keep_last: int = 2, estimate: Optional[int] = None,
+         health: Optional[dict] = None, tokenizer: Optional[str] = None,
+         extra_meta: Optional[dict] = None) -> str:
+    """Collective: write the checkpoint of ``step`` (data position ``consumed_samples``),
+    publish it and prune the save directory. Returns its path.
 
     ``estimate``: the expected size in bytes (room is made for it before writing);
     ``health``: the health record (:meth:`HealthGuard.mark`, default healthy);
     ``tokenizer``: the run's tokenizer file, copied in."""
     t = run.train
-    step = state.step
-    final = step_dir(root, step)
-    tmp = os.path.join(root, f".tmp_iter_{step:07d}")
+    health = health if health is not None else {"healthy": True}
+    tmp = store.tmp_dir(root, step)
     rank = dist.get_rank()
     start = time.perf_counter()
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of an interrupted save or prune
-            if name.startswith((".tmp_iter_", ".trash_")):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-
-    sharded = sharded_state_dict(model, optimizer, scheduler, topo,
-                                 (step, state.consumed_samples), is_loading=False,
-                                 optim_format=t.ckpt_optim_format)
-    dist_checkpointing.save(sharded, tmp, sharded_strategy=_save_strategy(t.ckpt_fully_parallel))
-    dist.barrier()
-    if rank == 0 and tokenizer and os.path.isfile(tokenizer):
-        # travels with the weights, so evaluation, generation and export need only the checkpoint
-        shutil.copyfile(tokenizer, os.path.join(tmp, TOKENIZER))
-    files = integrity.manifest(tmp, t.ckpt_integrity, exclude=(META,))  # collective
-
-    if rank == 0:
-        layout = Layout.of(topo, run)
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "consumed_train_samples": state.consumed_samples,
-            "layout": layout.__dict__,
-            "optim_format": t.ckpt_optim_format,
-            "world_size": dist.get_world_size(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "record": record(run),
-            "health": health if health is not None else {"healthy": True},
-            "integrity": t.ckpt_integrity,
-            "files": files,
-            **(extra_meta or {}),
-        }
-        _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=2))
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # the same step saved before (e.g. a re-run): replace it
-            _remove(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(os.path.join(root, TRACKER), str(step))
-        # never pruned: the run can always go back to a good state
-        keep = (newest_healthy(root), newest_healthy(root, confirmed=True))
-        for old_step, path in list_checkpoints(root)[:-keep_last or None] if keep_last > 0 else []:
-            if old_step != step and path not in keep:
-                _remove(path)
-    dist.barrier()
+    with guard.saving(root, step, keep_last=keep_last, estimate=estimate, health=health):
+        if rank == 0:
+            os.makedirs(tmp)
+        dist.barrier()
+        sharded = sharded_state_dict(model, optimizer, scheduler, topo, (step, consumed_samples),
+                                     is_loading=False, optim_format=t.ckpt_optim_format)
+        dist_checkpointing.save(sharded, tmp,
+                                sharded_strategy=_save_strategy(t.ckpt_fully_parallel))
+        dist.barrier()
+        if rank == 0:
+            store.copy_tokenizer(tmp, tokenizer)
+        files = integrity.manifest(tmp, t.ckpt_integrity, exclude=(store.META,))  # collective
+        if rank == 0:
+            store.write_meta(tmp, {
+                "format_version": store.FORMAT_VERSION,
+                "step": step,
+                "consumed_train_samples": consumed_samples,
+                "layout": Layout.of(topo, run).__dict__,
+                "optim_format": t.ckpt_optim_format,
+                "world_size": dist.get_world_size(),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "record": record(run),
+                "health": health,
+                "integrity": t.ckpt_integrity,
+                "files": files,
+                **(extra_meta or {}),
+            })
+            store.publish(root, step)
+            retention.prune(root, keep_last, step)
+        dist.barrier()
+    final = store.step_dir(root, step)
     log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
     return final
 
@@ -313,7 +231,7 @@ def load(path: str, *, run, model, topo, optimizer=None, scheduler=None,
     checkpoint was saved with.
     """
     t = run.train
-    meta = read_meta(path)
+    meta = store.read_meta(path)
     load_optimizer = not weights_only and optimizer is not None
     saved = Layout(**meta["layout"])
     now = Layout.of(topo, run)
@@ -372,20 +290,12 @@ def load(path: str, *, run, model, topo, optimizer=None, scheduler=None,
     return result
 
 
-def resume_point(run, save_dir: str) -> Optional[tuple]:
-    """Collective: the checkpoint a run starts from, as ``(path, weights_only)``, or None:
-    the newest healthy checkpoint with intact files where :func:`resume_source` points;
-    its model record must match the run."""
-    source = resume_source(run, save_dir)
-    if source is None:
-        return None
-    candidates, weights_only, option = source
-    path = first_intact(candidates, run.train.ckpt_integrity)
-    if path is None:
-        raise RuntimeError(f"every checkpoint to resume from is damaged: "
-                           f"{', '.join(candidates)} (see the warnings above)")
-    check_record(path, run, weights_only, option)
-    return path, weights_only
+def load_whole_model(path: str, model) -> None:
+    """The weights of the checkpoint ``path``, saved at any layout, into one whole
+    ``DepthMixModel`` (a single rank): Megatron reshards them by their global keys."""
+    with torch.no_grad():
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
+        model.load_state_dict(loaded["model"], strict=True)
 
 
 def _weights_do_not_fit(path: str, meta: dict, run, error: BaseException) -> ConfigError:
@@ -457,3 +367,44 @@ def _load_scheduler(scheduler, saved: dict) -> None:
         scheduler.load_state_dict(saved)
     finally:
         scheduler.override_opt_param_scheduler = False
+
+
+# ---------------------------------------------------------------------------------------
+# Which checkpoint a run starts from, or rolls back to
+# ---------------------------------------------------------------------------------------
+
+
+def first_intact(candidates: list, mode: str) -> Optional[str]:
+    """Collective: the first of ``candidates`` whose files match the sizes/checksums
+    recorded at save (``train.ckpt_integrity``); damaged ones are skipped with a warning."""
+    for i, path in enumerate(candidates):
+        problems = integrity.verify(path, store.read_meta(path).get("files"), mode)
+        if not problems:
+            return path
+        log.warning("checkpoint %s is damaged (%s)%s", path, "; ".join(problems[:4]),
+                    f"; trying {candidates[i + 1]}" if i + 1 < len(candidates) else "")
+    return None
+
+
+def resume_point(run, save_dir: str) -> Optional[tuple]:
+    """Collective: the checkpoint a run starts from, as ``(path, weights_only)``, or None:
+    the newest healthy checkpoint with intact files where :func:`store.resume_source`
+    points; its model record must match the run."""
+    source = store.resume_source(run, save_dir)
+    if source is None:
+        return None
+    candidates, weights_only, option = source
+    path = first_intact(candidates, run.train.ckpt_integrity)
+    if path is None:
+        raise RuntimeError(f"every checkpoint to resume from is damaged: "
+                           f"{', '.join(candidates)} (see the warnings above)")
+    store.check_record(path, run, weights_only, option)
+    return path, weights_only
+
+
+def rollback_point(root: Optional[str], mode: str) -> Optional[str]:
+    """Collective: the newest healthy checkpoint of ``root`` with intact files (``mode``:
+    ``train.ckpt_integrity``), or None."""
+    candidates = [p for p in store.resume_candidates(root, warn=False)
+                  if store.is_healthy(p)] if root else []
+    return first_intact(candidates, mode) if candidates else None

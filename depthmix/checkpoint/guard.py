@@ -9,12 +9,13 @@ save, and no helper process outliving the trainer.
 * **Room.** At start-up the directory must be writable and able to hold one checkpoint;
   before every save rank 0 estimates its size (the newest checkpoint's size, or before the
   first save the weights + optimizer bytes) and, when the disk is short, first removes the
-  checkpoints ``train.keep_last`` would remove after this save anyway, never the newest
-  complete one. A save that still cannot fit fails before writing, naming the directory,
-  the bytes needed and the bytes free.
-* **Failure.** A save that raises (ENOSPC, any error in ``dist_checkpointing.save``) removes
-  its ``.tmp_iter_*`` directory, leaves the previous checkpoint and tracker as they were and
-  raises :class:`SaveError` saying what ran out; training stops with a non-zero status.
+  checkpoints ``train.keep_last`` would remove after this save anyway (:mod:`.retention`),
+  never the newest complete one. A save that still cannot fit fails before writing, naming
+  the directory, the bytes needed and the bytes free.
+* **Failure.** A save runs inside :func:`saving`: when it raises (ENOSPC, any error in
+  ``dist_checkpointing.save``) its ``.tmp_iter_*`` directory is removed, the previous
+  checkpoint and tracker are left as they were and :class:`SaveError` says what ran out;
+  training stops with a non-zero status.
 * **No orphans.** Megatron's synchronous save writes through ``fork``-ed writer processes
   and, on first use, starts a ``multiprocessing`` Manager (a spawned ~400 MB process) only
   to carry their results back to the same process. We hand it a plain in-process queue
@@ -26,10 +27,9 @@ save, and no helper process outliving the trainer.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import errno
-import functools
-import inspect
 import json
 import logging
 import os
@@ -46,7 +46,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from depthmix.checkpoint import retention, store
 from depthmix.config.schema import ConfigError
+from depthmix.planning.memory import state_bytes_per_param
 from depthmix.planning.units import fmt_bytes
 
 log = logging.getLogger("depthmix")
@@ -285,39 +287,24 @@ def dir_bytes(path: str) -> int:
 
 def state_bytes(model, run, topo) -> int:
     """Collective: bytes of one checkpoint from the parameter count (before the first save):
-    weights in their dtype plus Adam's two fp32 moments (and fp32 main weights in bf16/fp16),
-    counted once per data-parallel replica group."""
-    mixed = run.train.precision != "fp32"
+    weights and optimizer state per parameter as :func:`depthmix.planning.memory.
+    state_bytes_per_param` counts them (all of it: a checkpoint holds every shard), once
+    per data-parallel replica group."""
+    per_param = state_bytes_per_param(run.train.precision, distributed_optimizer=False, dp=1)
     local = 0
     if topo.dp_rank == 0:
-        for chunk in model:
-            for p in chunk.parameters():
-                local += p.numel() * (p.element_size() + 8 + (4 if mixed else 0))
-    box = torch.tensor([local], dtype=torch.int64)
+        local = sum(p.numel() for chunk in model for p in chunk.parameters())
+    box = torch.tensor([local * int(per_param["weights"] + per_param["optimizer"])],
+                       dtype=torch.int64)
     if torch.cuda.is_available():
         box = box.cuda()
     dist.all_reduce(box)
     return int(box.item())
 
 
-def _prunable(root: str, keep_last: int) -> list:
-    """Complete checkpoints that the retention after the next save removes anyway (oldest
-    first), never the newest complete one nor the newest healthy or confirmed one."""
-    from depthmix.checkpoint.distributed import list_checkpoints, newest_healthy
-
-    complete = list_checkpoints(root)
-    if keep_last <= 0 or not complete:
-        return []
-    doomed = complete[:len(complete) - (keep_last - 1)]
-    keep = {newest_healthy(root), newest_healthy(root, confirmed=True)}
-    return [c for c in doomed if c != complete[-1] and c[1] not in keep]
-
-
 def needed_bytes(root: str, estimate: Optional[int]) -> tuple:
     """(bytes, how it was estimated) for the next checkpoint in ``root``."""
-    from depthmix.checkpoint.distributed import list_checkpoints
-
-    complete = list_checkpoints(root)
+    complete = store.list_checkpoints(root)
     if complete:
         return int(dir_bytes(complete[-1][1]) * MARGIN), f"size of {complete[-1][1]}"
     if estimate:
@@ -325,27 +312,26 @@ def needed_bytes(root: str, estimate: Optional[int]) -> tuple:
     return 0, "unknown"
 
 
-def make_room(root: str, step: int, keep_last: int, estimate: Optional[int],
+def make_room(root: str, step: int, keep_last: int, estimate: Optional[int], health: dict,
               dry: bool = False) -> Optional[str]:
-    """Rank 0, before a save: None when the checkpoint of ``step`` fits (after removing what
-    retention would remove anyway, unless ``dry``), else the reason it does not."""
-    from depthmix.checkpoint.distributed import _remove
-
+    """Rank 0, before saving ``step`` (health mark ``health``): None when it fits, after
+    removing what retention removes after this save anyway (:func:`retention.
+    prunable_before`; with ``dry`` only counted), else the reason it does not fit."""
     need, how = needed_bytes(root, estimate)
     free = free_bytes(root)
     if free >= need:
         return None
-    prunable = _prunable(root, keep_last)
+    prunable = retention.prunable_before(root, keep_last, step, health)
     if dry:
         free += sum(dir_bytes(path) for _, path in prunable)
     else:
-        for old_step, path in prunable:
+        for _, path in prunable:
             if free >= need:
                 break
             log.warning("only %s free in %s, a checkpoint needs about %s: removing %s now "
                         "(train.keep_last=%d removes it after this save anyway)",
                         fmt_bytes(free), root, fmt_bytes(need), path, keep_last)
-            _remove(path)
+            store.remove(path)
             free = free_bytes(root)
     if free >= need:
         return None
@@ -365,7 +351,7 @@ def _broadcast(value):
 
 
 # ---------------------------------------------------------------------------------------
-# Start-up and the save wrapper
+# Start-up, and around each save
 # ---------------------------------------------------------------------------------------
 
 
@@ -386,7 +372,8 @@ class SaveGuard:
             try:
                 check_writable(root)
                 lock = SaveLock(root).acquire()
-                problem = make_room(root, step, run.train.keep_last, estimate, dry=True)
+                problem = make_room(root, step, run.train.keep_last, estimate,
+                                    {"healthy": True, "confirmed": False}, dry=True)
             except (ConfigError, OSError) as e:
                 problem = str(e)
         problem = _broadcast(problem)
@@ -400,6 +387,49 @@ class SaveGuard:
     def close(self) -> None:
         if self.lock is not None:
             self.lock.release()
+
+
+@contextlib.contextmanager
+def saving(root: str, step: int, *, keep_last: int, estimate: Optional[int], health: dict):
+    """Collective, around writing and publishing the checkpoint of ``step``: before it,
+    leftovers are removed and room is made (:func:`make_room`; :class:`SaveError` on every
+    rank when it cannot fit); when it raises, its temporary directory is removed and
+    :class:`SaveError` says what ran out."""
+    tmp = store.tmp_dir(root, step)
+    watch_children()
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            retention.clean_leftovers(root)  # they hold space the check must see
+            problem = make_room(root, step, keep_last, estimate, health)
+        except OSError as e:
+            problem = f"cannot prepare {root} for the checkpoint of step {step}: {e}"
+    problem = _broadcast(problem)
+    if problem:
+        log.error("%s", problem)
+        raise SaveError(problem)
+    try:
+        yield
+    except BaseException as exc:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            raise  # (torch's CheckpointException is a BaseException: handled below)
+        try:
+            previous = store.latest_checkpoint(root)
+            free = fmt_bytes(free_bytes(root))
+        except Exception:  # noqa: BLE001 - the message must not fail
+            previous, free = None, "unknown"
+        need, _ = needed_bytes(root, estimate)
+        message = (f"saving the checkpoint of step {step} to {root} failed: "
+                   f"{_what_ran_out(exc)}. Removed the partial {tmp}; {free} free there "
+                   f"now, a checkpoint needs about {fmt_bytes(need)}. "
+                   + (f"The previous checkpoint {previous} is intact; free space (or "
+                      "lower train.keep_last) and re-run to resume from it."
+                      if previous else "There is no earlier checkpoint."))
+        log.error("%s", message)
+        raise SaveError(message) from exc
 
 
 def _what_ran_out(exc: BaseException) -> str:
@@ -424,57 +454,3 @@ def _what_ran_out(exc: BaseException) -> str:
         return "disk quota exceeded (EDQUOT)"
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     return f"{type(exc).__name__}: {first}"
-
-
-def guarded(save):
-    """Wrap ``checkpoint.save``: make room before it (collective), and on failure remove its
-    temporary directory and raise :class:`SaveError` saying what ran out."""
-    signature = inspect.signature(save)
-
-    @functools.wraps(save)
-    def wrapper(root, **kwargs):
-        from depthmix.checkpoint.distributed import latest_checkpoint
-
-        bound = signature.bind(root, **kwargs)
-        bound.apply_defaults()
-        keep_last, estimate = bound.arguments["keep_last"], bound.arguments["estimate"]
-        step = bound.arguments["state"].step
-        tmp = os.path.join(root, f".tmp_iter_{step:07d}")
-        watch_children()
-        problem = None
-        if dist.get_rank() == 0:
-            try:
-                os.makedirs(root, exist_ok=True)
-                for name in os.listdir(root):  # leftovers hold space the check must see
-                    if name.startswith((".tmp_iter_", ".trash_")):
-                        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-                problem = make_room(root, step, keep_last, estimate)
-            except OSError as e:
-                problem = f"cannot prepare {root} for the checkpoint of step {step}: {e}"
-        problem = _broadcast(problem)
-        if problem:
-            log.error("%s", problem)
-            raise SaveError(problem)
-        try:
-            return save(root, **kwargs)
-        except BaseException as exc:
-            if dist.get_rank() == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
-                raise  # (torch's CheckpointException is a BaseException: handled below)
-            try:
-                previous = latest_checkpoint(root)
-                free = fmt_bytes(free_bytes(root))
-            except Exception:  # noqa: BLE001 - the message must not fail
-                previous, free = None, "unknown"
-            need, _ = needed_bytes(root, estimate)
-            message = (f"saving the checkpoint of step {step} to {root} failed: "
-                       f"{_what_ran_out(exc)}. Removed the partial {tmp}; {free} free there "
-                       f"now, a checkpoint needs about {fmt_bytes(need)}. "
-                       + (f"The previous checkpoint {previous} is intact; free space (or "
-                          "lower train.keep_last) and re-run to resume from it."
-                          if previous else "There is no earlier checkpoint."))
-            log.error("%s", message)
-            raise SaveError(message) from exc
-
-    return wrapper

@@ -1,9 +1,37 @@
-"""Checkpoints on disk, without torch or Megatron: where they are, which one a run resumes
-from, their metadata and health marks, and the check that a checkpoint fits the run.
+"""Checkpoints on disk, without torch or Megatron: the layout of a save directory, its
+tracker, each checkpoint's metadata and health mark, and which checkpoint a run resumes.
 
-The dry run and the start-up preflight use this module before any process group or model
-exists; :mod:`depthmix.checkpoint.distributed` writes and loads the checkpoints themselves
-(its docstring describes the directory layout).
+Layout of ``train.save_dir`` (default ``<output_dir>/checkpoints``)::
+
+    latest_checkpointed_iteration.txt   the step of the newest published checkpoint (tracker)
+    iter_0000500/                       one Megatron distributed checkpoint (torch_dist)
+        depthmix.json                   written last: step, layout, format, model record,
+                                        health mark, size/checksum of every other file;
+                                        marks it complete
+        tokenizer.json                  the run's tokenizer (when it has a file)
+        common.pt, metadata.json, *.distcp, ...
+    wandb_run_id.txt                    the W&B run this directory's training logs to
+    depthmix.lock                       the run that uses the directory (:mod:`.guard`)
+
+**Write, then publish.** Every rank writes its shards into ``.tmp_iter_0000500``; rank 0
+then writes ``depthmix.json`` and :func:`publish` renames the directory to
+``iter_0000500`` and replaces the tracker atomically (write ``tracker.tmp``, fsync,
+``os.replace``). A crash at any point leaves the previous tracker pointing at a complete
+checkpoint; leftovers (``.tmp_*``, ``.trash_*``) are ignored and removed by the next save
+(:mod:`.retention`). A checkpoint is deleted by renaming it to ``.trash_*`` first
+(:func:`remove`), so a half-deleted directory never looks like a checkpoint.
+
+**Health marks.** ``health`` in ``depthmix.json`` is written at save (the last step's loss
+and gradient norm were finite) and settled by the next step (:func:`settle_health`):
+``confirmed`` when it is finite, demoted to unhealthy when it is not (its weights gave
+NaN/inf). A checkpoint without a mark counts as healthy and confirmed.
+
+**Which checkpoint a resume uses** (:func:`resume_candidates`): the tracker's step (a
+missing or unreadable tracker: the newest complete ``iter_*``, with a warning), preferring
+the newest healthy checkpoint at or below it. Its model record must match the run
+(:func:`check_record`), else the start is refused before the model is built
+(:func:`preflight_checkpoint`), unless ``train.load_weights_only=true``. Damaged files are
+found at load time (:func:`depthmix.checkpoint.distributed.first_intact`).
 """
 
 from __future__ import annotations
@@ -23,11 +51,28 @@ log = logging.getLogger("depthmix")
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "depthmix.json"
 TOKENIZER = "tokenizer.json"
+RUN_ID_FILE = "wandb_run_id.txt"
 FORMAT_VERSION = 1
+TMP_PREFIX = ".tmp_iter_"
+TRASH_PREFIX = ".trash_"
+
+
+# ---------------------------------------------------------------------------------------
+# Paths and metadata
+# ---------------------------------------------------------------------------------------
 
 
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{step:07d}")
+
+
+def tmp_dir(root: str, step: int) -> str:
+    """Where the checkpoint of ``step`` is written before it is published."""
+    return os.path.join(root, f"{TMP_PREFIX}{step:07d}")
+
+
+def default_save_dir(run) -> str:
+    return run.train.save_dir or os.path.join(run.output_dir, "checkpoints")
 
 
 def is_complete(path: str) -> bool:
@@ -37,6 +82,31 @@ def is_complete(path: str) -> bool:
 def read_meta(path: str) -> dict:
     with open(os.path.join(path, META)) as f:
         return json.load(f)
+
+
+def write_meta(path: str, meta: dict) -> None:
+    """Rank 0, last of a checkpoint's files: ``depthmix.json`` (this marks it complete)."""
+    _write_atomic(os.path.join(path, META), json.dumps(meta, indent=2))
+    _fsync_dir(path)
+
+
+def _meta_or_none(path: str) -> Optional[dict]:
+    try:
+        return read_meta(path)
+    except (OSError, ValueError) as e:
+        log.warning("%s/%s is unreadable (%s): checkpoint ignored", path, META, e)
+        return None
+
+
+def list_checkpoints(root: str) -> list:
+    """Complete ``iter_*`` directories of ``root`` as (step, path), oldest first."""
+    out = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if name.startswith("iter_") and name[5:].isdigit() and is_complete(path):
+                out.append((int(name[5:]), path))
+    return sorted(out)
 
 
 def latest_checkpoint(root: Optional[str]) -> Optional[str]:
@@ -81,47 +151,145 @@ def latest_checkpoint(root: Optional[str]) -> Optional[str]:
     return path
 
 
-def list_checkpoints(root: str) -> list:
-    """Complete ``iter_*`` directories of ``root`` as (step, path), oldest first."""
-    out = []
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if name.startswith("iter_") and name[5:].isdigit() and is_complete(path):
-                out.append((int(name[5:]), path))
-    return sorted(out)
+def find_checkpoint(path: str, option: str = "checkpoint") -> str:
+    """The complete checkpoint ``path`` names (a save dir -> its latest, or one ``iter_*``
+    directory) for evaluation, generation and export; a :class:`ConfigError` naming
+    ``option`` when there is none or it holds no model record."""
+    if not path or not os.path.exists(path):
+        raise ConfigError(f"{option}={path}: no such directory")
+    found = latest_checkpoint(path)
+    if found is None:
+        raise ConfigError(f"{option}={path} holds no complete checkpoint "
+                          f"(no {TRACKER} or {META})")
+    if "record" not in read_meta(found):
+        raise ConfigError(f"{option}={found} predates model records in checkpoints "
+                          f"({META} has no 'record'); re-save it with this version")
+    return found
 
 
-def _meta_or_none(path: str) -> Optional[dict]:
+def copy_tokenizer(path: str, tokenizer: Optional[str]) -> None:
+    """Rank 0: the run's tokenizer file travels with the weights, so evaluation, generation
+    and export need only the checkpoint."""
+    if tokenizer and os.path.isfile(tokenizer):
+        shutil.copyfile(tokenizer, os.path.join(path, TOKENIZER))
+
+
+def tokenizer_file(path: str) -> Optional[str]:
+    """The tokenizer saved with the checkpoint ``path``, or None (runs on synthetic data)."""
+    file = os.path.join(path, TOKENIZER)
+    return file if os.path.isfile(file) else None
+
+
+def read_run_id(root: str) -> Optional[str]:
+    """The W&B run that the training in save directory ``root`` logs to, or None."""
     try:
-        return read_meta(path)
-    except (OSError, ValueError) as e:
-        log.warning("%s/%s is unreadable (%s): checkpoint ignored", path, META, e)
+        with open(os.path.join(root, RUN_ID_FILE)) as f:
+            return f.read().strip() or None
+    except OSError:
         return None
+
+
+def write_run_id(root: str, run_id: str) -> None:
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, RUN_ID_FILE)
+    with open(f"{path}.tmp", "w") as f:
+        f.write(run_id)
+    os.replace(f"{path}.tmp", path)
+
+
+# ---------------------------------------------------------------------------------------
+# Publishing and removing
+# ---------------------------------------------------------------------------------------
+
+
+def publish(root: str, step: int) -> str:
+    """Rank 0: make the written :func:`tmp_dir` of ``step`` the checkpoint of ``step`` (a
+    checkpoint of the same step saved before, e.g. by a re-run, is replaced), then point the
+    tracker at it. Returns its path."""
+    final = step_dir(root, step)
+    if os.path.exists(final):
+        remove(final)
+    os.rename(tmp_dir(root, step), final)
+    _fsync_dir(root)
+    _write_atomic(os.path.join(root, TRACKER), str(step))
+    return final
+
+
+def remove(path: str) -> None:
+    """Rename out of the way (so it never looks like a checkpoint), then delete."""
+    if not os.path.exists(path):
+        return
+    trash = os.path.join(os.path.dirname(path),
+                         f"{TRASH_PREFIX}{os.path.basename(path)}_{time.time_ns()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+# ---------------------------------------------------------------------------------------
+# Health marks
+# ---------------------------------------------------------------------------------------
+
+
+def health(path: str) -> Optional[dict]:
+    """The health mark of the checkpoint ``path`` (``{}`` when it has none), or None when
+    its metadata is unreadable."""
+    meta = _meta_or_none(path)
+    return None if meta is None else meta.get("health", {})
 
 
 def is_healthy(path: str) -> bool:
     """Saved after a finite step (checkpoints without a health mark count as healthy)."""
-    meta = _meta_or_none(path)
-    return meta is not None and meta.get("health", {}).get("healthy", True)
-
-
-def newest_healthy(root: str, confirmed: bool = False) -> Optional[str]:
-    """The newest healthy checkpoint; ``confirmed``: also followed by a finite step (its
-    weights gave a finite loss and gradient)."""
-    for _, path in reversed(list_checkpoints(root)):
-        if is_healthy(path) and (not confirmed
-                                 or read_meta(path).get("health", {}).get("confirmed", True)):
-            return path
-    return None
+    mark = health(path)
+    return mark is not None and mark.get("healthy", True)
 
 
 def set_health(path: str, **fields) -> None:
     """Rank 0: update the health mark of a published checkpoint (atomic rewrite of its
-    ``depthmix.json``): confirmed by the next step, or demoted when that step failed."""
+    ``depthmix.json``)."""
     meta = read_meta(path)
     meta.setdefault("health", {}).update(fields)
     _write_atomic(os.path.join(path, META), json.dumps(meta, indent=2))
+
+
+def settle_health(path: str, step: int, finite: bool) -> None:
+    """Rank 0: step ``step``, the first after the checkpoint ``path`` was saved, was
+    ``finite``: the checkpoint is confirmed, else demoted (its weights gave NaN/inf)."""
+    try:
+        if finite:
+            set_health(path, confirmed=True)
+        else:
+            set_health(path, healthy=False, confirmed=False,
+                       note=f"step {step} after it was non-finite")
+    except OSError as e:
+        log.warning("could not update the health mark of %s: %s", path, e)
+
+
+# ---------------------------------------------------------------------------------------
+# Which checkpoint a run starts from
+# ---------------------------------------------------------------------------------------
 
 
 def resume_candidates(root: Optional[str], warn: bool = True) -> list:
@@ -148,10 +316,6 @@ def resume_candidates(root: Optional[str], warn: bool = True) -> list:
     return ordered
 
 
-def default_save_dir(run) -> str:
-    return run.train.save_dir or os.path.join(run.output_dir, "checkpoints")
-
-
 def check_record(path: str, run, weights_only: bool, source: str = "train.load_dir") -> None:
     """Refuse (ConfigError naming each differing option) to resume ``path`` into a run it
     was not saved by; with ``weights_only`` the differences are only logged (precision may
@@ -168,7 +332,7 @@ def check_record(path: str, run, weights_only: bool, source: str = "train.load_d
                     "; ".join(diffs))
         return
     if source == "train.load_dir":
-        hint = (f"to fine-tune from its weights (fresh optimizer, schedule and step) add "
+        hint = ("to fine-tune from its weights (fresh optimizer, schedule and step) add "
                 "train.load_weights_only=true")
     else:
         hint = (f"{source} holds another run's checkpoints: give this run its own "
@@ -198,47 +362,38 @@ def resume_source(run, save_dir: str, warn: bool = True) -> Optional[tuple]:
     return candidates, t.load_weights_only, "train.load_dir"
 
 
+# ---------------------------------------------------------------------------------------
+# Start-up checks (before any process group or model exists)
+# ---------------------------------------------------------------------------------------
+
+
+def check_save_dir(run) -> None:
+    """The save directory is a writable directory, or its nearest existing parent is."""
+    path = os.path.abspath(os.path.expanduser(default_save_dir(run)))
+    option = "train.save_dir" if run.train.save_dir else "output_dir (checkpoints/ in it)"
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{option}: {path} cannot be created: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = ("is not writable" if probe == path
+                else f"cannot be created ({probe} is not writable)")
+        raise ConfigError(f"{option}: {path} {what}")
+
+
 def preflight_checkpoint(run) -> Optional[str]:
-    """What this run would resume from, checked before any process group or model exists:
-    the checkpoint path (None: a fresh start). Raises :class:`ConfigError` when
-    ``train.load_dir`` holds no checkpoint or when the checkpoint's model record differs
-    from ``run`` (each option named; see :func:`check_record`). Files are not verified
-    here (that needs all ranks); a damaged checkpoint is replaced at load time."""
+    """What this run would resume from: the checkpoint path (None: a fresh start). Raises
+    :class:`ConfigError` when ``train.load_dir`` holds no checkpoint or when the
+    checkpoint's model record differs from ``run`` (each option named; see
+    :func:`check_record`). Files are not verified here (that needs all ranks); a damaged
+    checkpoint is replaced at load time."""
     source = resume_source(run, default_save_dir(run), warn=False)
     if source is None:
         return None
     candidates, weights_only, option = source
     check_record(candidates[0], run, weights_only, option)
     return candidates[0]
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _remove(path: str) -> None:
-    """Rename out of the way (so it never looks like a checkpoint), then delete."""
-    if not os.path.exists(path):
-        return
-    trash = os.path.join(os.path.dirname(path), f".trash_{os.path.basename(path)}_{time.time_ns()}")
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)

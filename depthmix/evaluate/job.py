@@ -178,8 +178,7 @@ def prepare(cfg: DictConfig, overrides: Sequence[str], world_size: int = 1) -> E
     spans one window and fits the vocabulary, the output is writable."""
     from depthmix.config.load import resolve
     from depthmix.config.validate import validate
-    from depthmix.inference.load import find_checkpoint
-    from depthmix.checkpoint import distributed as ckpt
+    from depthmix.checkpoint.store import find_checkpoint, read_meta
 
     composed = resolve(cfg)
     ev: EvalConfig = OmegaConf.to_object(cfg.eval)
@@ -187,7 +186,7 @@ def prepare(cfg: DictConfig, overrides: Sequence[str], world_size: int = 1) -> E
         raise ConfigError("eval.checkpoint is required: a train.save_dir or one iter_* "
                           "checkpoint directory")
     path = find_checkpoint(ev.checkpoint, "eval.checkpoint")
-    meta = ckpt.read_meta(path)
+    meta = read_meta(path)
     record = meta["record"]
     given = given_options(overrides)
     check_matches(record, composed, given, path)

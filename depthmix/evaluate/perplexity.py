@@ -19,7 +19,7 @@ from typing import List
 from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.config.schema import RunConfig
 from depthmix.evaluate.windows import microbatches, steps
-from depthmix.checkpoint import distributed as ckpt
+from depthmix.checkpoint.distributed import load
 from depthmix.pretrain.parallelize import build_model, init_distributed
 from depthmix.pretrain.step import eval_step
 
@@ -61,8 +61,8 @@ class Evaluator:
         self.topo = init_distributed(run)
         self.config = to_transformer_config(run)
         self.model = build_model(run, self.config, self.topo)
-        self.meta = ckpt.load(checkpoint, run=run, model=self.model, topo=self.topo,
-                              weights_only=True).meta
+        self.meta = load(checkpoint, run=run, model=self.model, topo=self.topo,
+                         weights_only=True).meta
 
     def evaluate(self, dataset, batch_size: int, num_microbatches: int) -> DatasetResult:
         """Loss over all windows of ``dataset`` (a :class:`depthmix.evaluate.job.Dataset`);

@@ -77,10 +77,9 @@ def log_wandb(job, results: dict) -> Optional[str]:
         return None
     import wandb
 
-    from depthmix.pretrain.callbacks.wandb import RUN_ID_FILE
+    from depthmix.checkpoint.store import read_run_id
 
-    id_file = os.path.join(os.path.dirname(job.checkpoint), RUN_ID_FILE)
-    group = open(id_file).read().strip() if os.path.isfile(id_file) else None
+    group = read_run_id(os.path.dirname(job.checkpoint))
     directory = lg.dir or job.run.output_dir
     os.makedirs(directory, exist_ok=True)
     name = lg.name or f"{results['model']}-{results['mixer']}-step{results['step']}-eval"

@@ -164,13 +164,13 @@ def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
     from safetensors.torch import save_file
 
     from depthmix.checkpoint.record import run_from_record
-    from depthmix.inference.load import find_checkpoint, load_model
-    from depthmix.checkpoint import distributed as ckpt
+    from depthmix.checkpoint.store import find_checkpoint, read_meta
+    from depthmix.inference.load import load_model
 
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype} must be one of {list(DTYPES)}")
     found = find_checkpoint(checkpoint, option="checkpoint")
-    run = run_from_record(ckpt.read_meta(found)["record"], impl="torch")
+    run = run_from_record(read_meta(found)["record"], impl="torch")
     check_exportable(run)  # before loading any weights
     if tokenizer is not None and not os.path.isfile(tokenizer):
         raise ConfigError(f"--tokenizer={tokenizer}: no such file")

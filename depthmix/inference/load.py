@@ -8,14 +8,14 @@ caller needs nothing but the path.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from depthmix.checkpoint.record import run_from_record
-from depthmix.config.schema import ConfigError, RunConfig
+from depthmix.checkpoint.store import find_checkpoint, read_meta, tokenizer_file
+from depthmix.config.schema import RunConfig
 
 
 @dataclass
@@ -32,32 +32,12 @@ class LoadedModel:
     @property
     def tokenizer_path(self) -> Optional[str]:
         """The run's tokenizer saved with the checkpoint, or None (runs on synthetic data)."""
-        from depthmix.checkpoint.distributed import TOKENIZER
-
-        path = os.path.join(self.path, TOKENIZER)
-        return path if os.path.isfile(path) else None
+        return tokenizer_file(self.path)
 
     @property
     def vocab_size(self) -> int:
         """Real vocabulary (the embedding is padded beyond it)."""
         return self.run.model.vocab_size
-
-
-def find_checkpoint(path: str, option: str = "checkpoint") -> str:
-    """The complete checkpoint ``path`` names (a save dir -> its latest, or one ``iter_*``
-    directory); a :class:`ConfigError` naming ``option`` when there is none."""
-    from depthmix.checkpoint import distributed as ckpt
-
-    if not path or not os.path.exists(path):
-        raise ConfigError(f"{option}={path}: no such directory")
-    found = ckpt.latest_checkpoint(path)
-    if found is None:
-        raise ConfigError(f"{option}={path} holds no complete checkpoint "
-                          f"(no {ckpt.TRACKER} or {ckpt.META})")
-    if "record" not in ckpt.read_meta(found):
-        raise ConfigError(f"{option}={found} predates model records in checkpoints "
-                          "(depthmix.json has no 'record'); re-save it with this version")
-    return found
 
 
 def load_model(path: str, impl: str = "torch", dtype: Optional[torch.dtype] = None,
@@ -81,15 +61,13 @@ def load_model(path: str, impl: str = "torch", dtype: Optional[torch.dtype] = No
 
 def _load_model(path: str, impl: str, dtype: Optional[torch.dtype],
                 device: Optional[torch.device], option: str) -> LoadedModel:
-    from megatron.core import dist_checkpointing
-
+    from depthmix.checkpoint.distributed import load_whole_model
     from depthmix.megatron_ext.config import to_transformer_config
     from depthmix.megatron_ext.model import DepthMixModel
-    from depthmix.checkpoint import distributed as ckpt
     from depthmix.pretrain.parallelize import init_distributed
 
     found = find_checkpoint(path, option)
-    meta = ckpt.read_meta(found)
+    meta = read_meta(found)
     run = run_from_record(meta["record"], impl=impl)
     init_distributed(run)
     model = DepthMixModel(to_transformer_config(run))
@@ -97,9 +75,7 @@ def _load_model(path: str, impl: str, dtype: Optional[torch.dtype],
         model.to(device)
     elif torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    with torch.no_grad():
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, found)
-        model.load_state_dict(loaded["model"], strict=True)
+    load_whole_model(found, model)
     if dtype is not None:
         model.to(dtype)
     model.eval()

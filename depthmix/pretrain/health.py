@@ -1,15 +1,17 @@
-"""Numerical health of a run: non-finite steps and loss spikes, and what is done about them.
+"""Numerical health of a run: non-finite steps and loss spikes, and the verdict on each step.
 
 Every step, before the optimizer update, the loss (all-reduced over all ranks) and the
 gradient norm (all-reduced over the ranks that hold gradients; data-parallel replicas hold
-the same gradients) are known on every rank, bit-identical. :meth:`HealthGuard.check`
-decides from them alone, so every rank takes the same decision with no extra collective.
+the same gradients) are known on every rank, bit-identical. :class:`HealthGuard` decides
+from them alone, so every rank reaches the same verdict with no extra collective; the
+trainer acts on it.
 
 * **Non-finite step**: NaN/inf loss or gradient norm; in fp16 also an overflow while the
   loss scale is already at ``train.min_loss_scale`` (dynamic loss scaling can do nothing
   more; an overflow above the floor is ordinary loss scaling and is not counted). Its
-  update is never applied (``step.optimizer_step``); ``train.on_nonfinite`` then says
-  what follows: ``skip`` (go on with the next batch), ``stop``, ``rollback``.
+  update is never applied (:meth:`HealthGuard.check`, ``step.optimizer_step``);
+  ``train.on_nonfinite`` then says what follows: ``skip`` (go on with the next batch),
+  ``stop``, ``rollback``.
 * **Loss spike** (``train.spike_zscore``): the loss is more than that many standard
   deviations above the mean of the last ``train.spike_window`` applied steps.
   ``train.on_spike=log`` warns; ``skip``/``rollback`` veto the update like a non-finite
@@ -17,19 +19,21 @@ decides from them alone, so every rank takes the same decision with no extra col
 * ``train.max_nonfinite_steps`` such steps in a row (a rollback keeps the count until
   training gets past the step that failed) stop the run: :class:`TrainingDiverged`,
   exit status :data:`EXIT_DIVERGED` from ``depthmix-train``.
-* **Rollback**: reload the newest healthy, intact checkpoint of the save directory
-  (weights, optimizer, schedule, RNG) and continue with the data *after* the window that
-  led to the failure (the data position is not rewound).
+* **Rollback** (the trainer's): reload the newest healthy, intact checkpoint of the save
+  directory (weights, optimizer, schedule, RNG) and continue with the data *after* the
+  window that led to the failure (the data position is not rewound).
 
 Each checkpoint records :meth:`HealthGuard.mark` (``health`` in ``depthmix.json``);
-retention and resume use it (``checkpoint.py``).
+retention and resume use it (:mod:`depthmix.checkpoint.store`).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 from depthmix.pretrain.step import OVERFLOW
@@ -47,11 +51,27 @@ class TrainingDiverged(RuntimeError):
     ``train.max_nonfinite_steps`` bad steps in a row)."""
 
 
-def _warn(trainer, *args) -> None:
-    """Every rank takes the same decisions; one of them says so."""
-    topo = getattr(trainer, "topo", None)
-    if topo is None or topo.is_logging_rank:
-        log.warning(*args)
+class Action(enum.Enum):
+    APPLY = "apply"
+    """The update was applied."""
+    SKIP = "skip"
+    """The update was not applied; go on with the next batch."""
+    ROLLBACK = "rollback"
+    """Not applied; reload the newest healthy checkpoint, keep the data position."""
+    STOP = "stop"
+    """Not applied; raise :class:`TrainingDiverged` with the verdict's reason."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """:meth:`HealthGuard.observe`'s ruling on one step, acted on by the trainer after the
+    callbacks have seen (logged, saved) the step."""
+
+    action: Action
+    reason: Optional[str] = None
+    """Why the update was not applied (for ``STOP``: the whole message)."""
+    nonfinite: bool = False
+    """Counted as a non-finite step: the checkpoint saved before it is demoted."""
 
 
 def _finite(x: Optional[float]) -> bool:
@@ -64,8 +84,12 @@ def _json_number(x: Optional[float]):
 
 
 class HealthGuard:
-    def __init__(self, train_cfg):
+    """The loss window and the counts of non-finite steps, spikes and rollbacks of this
+    process. ``logging_rank``: this rank says what it decided (every rank decides alike)."""
+
+    def __init__(self, train_cfg, logging_rank: bool = True):
         self.t = train_cfg
+        self.logging_rank = logging_rank
         self.window = deque(maxlen=train_cfg.spike_window)
         self.total = 0
         """Non-finite steps in this process."""
@@ -73,9 +97,10 @@ class HealthGuard:
         self.rollbacks = 0
         self.in_a_row = 0
         self._last_bad_step: Optional[int] = None
-        self._pending: Optional[tuple] = None
-        self._unconfirmed: Optional[str] = None
-        """The checkpoint saved after the last step, until the next step settles it."""
+
+    def _warn(self, *args) -> None:
+        if self.logging_rank:
+            log.warning(*args)
 
     def zscore(self, loss: float) -> Optional[float]:
         """How unusual ``loss`` is against the window (None while it is filling)."""
@@ -99,123 +124,64 @@ class HealthGuard:
             return SPIKE
         return None
 
-    def observe(self, trainer, result) -> None:
-        """After the step: classify and count it; what follows happens in :meth:`act`,
-        after the callbacks have seen (logged, saved) the step."""
+    def observe(self, step: int, result) -> Verdict:
+        """After step ``step`` (its :class:`~depthmix.pretrain.step.StepResult`): classify
+        and count it, and rule what follows."""
         t = self.t
-        nonfinite = result.rejected in (NONFINITE_LOSS, NONFINITE_GRAD) or (
-            result.rejected == OVERFLOW
+        skipped = result.skipped
+        nonfinite = skipped in (NONFINITE_LOSS, NONFINITE_GRAD) or (
+            skipped == OVERFLOW
             and (not math.isfinite(result.loss) or result.scale_used <= t.min_loss_scale))
-        spike = result.rejected == SPIKE or (result.rejected is None
-                                             and self._is_spike(result.loss))
-        result.nonfinite = nonfinite
-        if self._unconfirmed is not None and (nonfinite or result.rejected is None):
-            self._settle(trainer, nonfinite)
+        spike = skipped == SPIKE or (skipped is None and self._is_spike(result.loss))
         self.total += nonfinite
         self.spikes += spike
-        result.nonfinite_steps = self.total
-        if spike and result.rejected is None:
-            _warn(trainer, "step %d: loss spike %.4f (z-score %.1f > train.spike_zscore=%g "
-                  "over the last %d steps)", trainer.step, result.loss,
-                  self.zscore(result.loss), t.spike_zscore, len(self.window))
-        if result.rejected is None:
+        if spike and skipped is None:
+            self._warn("step %d: loss spike %.4f (z-score %.1f > train.spike_zscore=%g over "
+                       "the last %d steps)", step, result.loss, self.zscore(result.loss),
+                       t.spike_zscore, len(self.window))
+        if skipped is None:
             self.window.append(result.loss)
-            if self._last_bad_step is None or trainer.step > self._last_bad_step:
+            if self._last_bad_step is None or step > self._last_bad_step:
                 self.in_a_row = 0
-            return
+            return Verdict(Action.APPLY)
         if not (nonfinite or spike):
-            return  # an ordinary fp16 overflow: the loss scaler handles it
+            return Verdict(Action.SKIP, skipped)  # an ordinary fp16 overflow: the scaler's
         self.in_a_row += 1
-        self._last_bad_step = max(self._last_bad_step or 0, trainer.step)
-        reason = result.rejected if result.rejected != OVERFLOW else (
+        self._last_bad_step = max(self._last_bad_step or 0, step)
+        reason = skipped if skipped != OVERFLOW else (
             NONFINITE_LOSS if not math.isfinite(result.loss)
             else f"fp16 overflow at the minimum loss scale {result.scale_used:g}")
         policy, option = ((t.on_nonfinite, "on_nonfinite") if nonfinite
                           else (t.on_spike, "on_spike"))
-        _warn(trainer, "step %d: %s (loss %s, grad norm %s): update not applied, %d in a row",
-              trainer.step, reason, result.loss, result.grad_norm, self.in_a_row)
+        self._warn("step %d: %s (loss %s, grad norm %s): update not applied, %d in a row",
+                   step, reason, result.loss, result.grad_norm, self.in_a_row)
         if policy == "stop":
-            self._pending = ("stop", f"step {trainer.step}: {reason} (train.{option}=stop)")
-        elif self.in_a_row >= t.max_nonfinite_steps:
-            self._pending = ("stop", f"step {trainer.step}: {self.in_a_row} non-finite or "
-                                     f"vetoed steps in a row (train.max_nonfinite_steps="
-                                     f"{t.max_nonfinite_steps}); last: {reason}")
-        elif policy == "rollback":
-            self._pending = ("rollback", reason)
+            return _stop(f"step {step}: {reason} (train.{option}=stop)", nonfinite)
+        if self.in_a_row >= t.max_nonfinite_steps:
+            return _stop(f"step {step}: {self.in_a_row} non-finite or vetoed steps in a row "
+                         f"(train.max_nonfinite_steps={t.max_nonfinite_steps}); last: {reason}",
+                         nonfinite)
+        if policy == "rollback":
+            return Verdict(Action.ROLLBACK, reason, nonfinite)
+        return Verdict(Action.SKIP, reason, nonfinite)
 
-    def saved(self, trainer, path: str) -> None:
-        """A checkpoint of the current state was published (``checkpoint.save``)."""
-        self._unconfirmed = path if self.mark(trainer)["healthy"] else None
-
-    def _settle(self, trainer, failed: bool) -> None:
-        """The step after a save tells whether the saved weights were good."""
-        import torch.distributed as dist
-
-        from depthmix.checkpoint import distributed as ckpt
-
-        path, self._unconfirmed = self._unconfirmed, None
-        if failed:
-            _warn(trainer, "step %d, the first after checkpoint %s, was non-finite: that "
-                  "checkpoint is marked unhealthy", trainer.step, path)
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return
-        try:
-            if failed:
-                ckpt.set_health(path, healthy=False, confirmed=False,
-                                note=f"step {trainer.step} after it was non-finite")
-            else:
-                ckpt.set_health(path, confirmed=True)
-        except OSError as e:
-            log.warning("could not update the health mark of %s: %s", path, e)
-
-    def act(self, trainer) -> None:
-        """After the step's callbacks: stop (raise :class:`TrainingDiverged`) or roll back."""
-        if self._pending is None:
-            return
-        what, reason = self._pending
-        self._pending = None
-        if what == "stop":
-            raise TrainingDiverged(
-                f"training diverged at {reason}. Resume from the newest healthy checkpoint "
-                "with a lower train.lr (or a larger train.warmup_fraction)")
-        self.rollback(trainer, reason)
-
-    def rollback(self, trainer, reason: str) -> bool:
-        """Collective: reload the newest healthy intact checkpoint, keep the data position."""
-        from depthmix.checkpoint import distributed as ckpt
-
-        root = trainer.state.save_dir
-        candidates = [p for p in ckpt.resume_candidates(root, warn=False) if ckpt.is_healthy(p)] \
-            if root else []
-        path = ckpt.first_intact(candidates, self.t.ckpt_integrity) if candidates else None
-        if path is None:
-            _warn(trainer, "step %d: %s, but no healthy checkpoint in %s to roll back to: "
-                  "the step is skipped instead", trainer.step, reason, root)
-            return False
-        failed_at, position = trainer.step, trainer.consumed_samples
-        self._unconfirmed = None
-        trainer.load_checkpoint(path)
-        skipped = position - trainer.consumed_samples
-        trainer.consumed_samples = position  # continue after the data window that failed
+    def rolled_back(self) -> None:
+        """The trainer reloaded a checkpoint after a ``ROLLBACK`` verdict."""
         self.rollbacks += 1
-        for cb in trainer.callbacks:
-            cb.post_restore(trainer)
-        if trainer.topo.is_logging_rank:
-            from depthmix.runtime.log import say
 
-            say(f"rolled back from step {failed_at} ({reason}) to {path}; skipping the "
-                f"{skipped} samples since")
-        return True
-
-    def mark(self, trainer) -> dict:
-        """The health record of a checkpoint of ``trainer``'s current state: healthy when
-        the last step's loss and gradient norm were finite; ``confirmed`` later by
-        :meth:`_settle`."""
-        last = getattr(trainer, "last", None)
+    def mark(self, last) -> dict:
+        """The health record of a checkpoint saved after the step ``last`` (a
+        :class:`~depthmix.pretrain.step.StepResult`, None before the first): healthy when its
+        loss and gradient norm were finite; ``confirmed`` later, by the next step."""
         loss = last.loss if last is not None else None
         grad_norm = last.grad_norm if last is not None else None
-        healthy = last is None or (_finite(loss) and _finite(grad_norm)
-                                   and not getattr(last, "nonfinite", False))
+        healthy = last is None or (_finite(loss) and _finite(grad_norm) and not last.nonfinite)
         return {"healthy": healthy, "confirmed": False, "loss": _json_number(loss),
                 "grad_norm": _json_number(grad_norm), "nonfinite_steps": self.total,
                 "rollbacks": self.rollbacks}
+
+
+def _stop(reason: str, nonfinite: bool) -> Verdict:
+    return Verdict(Action.STOP, f"training diverged at {reason}. Resume from the newest "
+                                "healthy checkpoint with a lower train.lr (or a larger "
+                                "train.warmup_fraction)", nonfinite)

@@ -5,7 +5,8 @@ The trainer and ``train.dry_run`` call this one function. It runs the option che
 the checks that touch files:
 
 * data and tokenizer: :func:`depthmix.data.checks.check_data`;
-* checkpoints: the save directory exists as a writable directory or can be created;
+* checkpoints (:mod:`depthmix.checkpoint.store`): the save directory exists as a writable
+  directory or can be created; the checkpoint a run would resume fits its configuration;
 * compilation (``train.compile=true``): a recent enough torch, a C++ compiler for inductor
   on CPU, and no option the compiled layers cannot run.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from depthmix.checkpoint.store import default_save_dir, preflight_checkpoint
+from depthmix.checkpoint.store import check_save_dir, preflight_checkpoint
 from depthmix.config.schema import ConfigError, RunConfig
 from depthmix.config.validate import validate
 from depthmix.data.checks import check_data
@@ -64,21 +65,3 @@ def check_compile(run: RunConfig) -> None:
 def _has_cuda_device() -> bool:
     """Without importing torch: a visible NVIDIA device node."""
     return os.path.exists("/dev/nvidia0") and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
-
-
-# ------------------------------------------------------------------------ save directory
-def check_save_dir(run: RunConfig) -> None:
-    """The save directory is a writable directory, or its nearest existing parent is."""
-    path = os.path.abspath(os.path.expanduser(default_save_dir(run)))
-    option = "train.save_dir" if run.train.save_dir else "output_dir (checkpoints/ in it)"
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        raise ConfigError(f"{option}: {path} cannot be created: {probe} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        what = "is not writable" if probe == path else f"cannot be created ({probe} is not writable)"
-        raise ConfigError(f"{option}: {path} {what}")

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
-RUN_ID_FILE = "wandb_run_id.txt"
-"""In the save directory: the W&B run that this directory's training logs to."""
+from depthmix.checkpoint.store import read_run_id
 
 
 @dataclass
@@ -28,24 +26,10 @@ class TrainState:
     """Resumed with only the checkpoint's weights (``train.load_weights_only``)."""
     run_id: Optional[str] = None
     """The W&B run id of this save directory (``wandb_run_id.txt``), None before one exists."""
+    unconfirmed: Optional[str] = None
+    """The healthy checkpoint saved after the last step, until the next step settles its
+    health mark (not saved)."""
 
     @classmethod
     def fresh(cls, save_dir: str) -> "TrainState":
         return cls(save_dir=save_dir, run_id=read_run_id(save_dir))
-
-
-def read_run_id(save_dir: str) -> Optional[str]:
-    path = os.path.join(save_dir, RUN_ID_FILE)
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def write_run_id(save_dir: str, run_id: str) -> None:
-    os.makedirs(save_dir, exist_ok=True)
-    path = os.path.join(save_dir, RUN_ID_FILE)
-    with open(f"{path}.tmp", "w") as f:
-        f.write(run_id)
-    os.replace(f"{path}.tmp", path)

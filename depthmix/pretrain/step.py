@@ -42,13 +42,13 @@ class StepResult:
     grad_norm: Optional[float] = None
     lr: Optional[float] = None
     loss_scale: Optional[float] = None
-    skipped: bool = False
-    rejected: Optional[str] = None
-    """Why the update was not applied: :data:`OVERFLOW` or the reason ``check`` gave."""
+    skipped: Optional[str] = None
+    """Why the update was not applied (:data:`OVERFLOW` or the reason ``check`` gave);
+    None when it was applied."""
     scale_used: Optional[float] = None
     """fp16 overflow: the loss scale the step ran with (before the scaler backed off)."""
     nonfinite: bool = False
-    """Set by :class:`depthmix.pretrain.health.HealthGuard`: counted as a non-finite step."""
+    """Counted as a non-finite step (the trainer sets it from the health verdict)."""
     nonfinite_steps: int = 0
     """Non-finite steps so far in this process (for the log line and W&B)."""
     seconds: float = 0.0
@@ -118,16 +118,17 @@ def optimizer_step(optimizer, check=None) -> tuple:
     hold gradients), ``check(grad_norm)``, clipping, ``step_with_ready_grads``. Megatron
     skips only fp16 overflows; in fp32/bf16 a NaN gradient would reach Adam's moments.
 
-    Returns ``(applied, grad_norm, rejected)``; when not applied, weights and optimizer
-    state are untouched (fp16: the loss scaler backed off, as it should)."""
+    Returns ``(applied, grad_norm, skipped)``, ``skipped`` the reason it was not applied;
+    then weights and optimizer state are untouched (fp16: the loss scaler backed off, as it
+    should)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     if optimizer.prepare_grads():
         return False, None, OVERFLOW
     grad_norm = float(optimizer.get_grad_norm())
-    rejected = check(grad_norm) if check is not None else None
-    if rejected:
-        return False, grad_norm, rejected
+    skipped = check(grad_norm) if check is not None else None
+    if skipped:
+        return False, grad_norm, skipped
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
         if params and opt.config.clip_grad > 0.0:
@@ -151,7 +152,7 @@ def train_step(model, optimizer, scheduler, microbatches: List[Batch], seq_lengt
     device = next(model[0].parameters()).device
     loss, tokens = _reduce_loss(losses, device)  # before the update: `check` needs it
     scale = optimizer.get_loss_scale()  # the scaler replaces (not mutates) it on update
-    ok, grad_norm, rejected = optimizer_step(
+    ok, grad_norm, skipped = optimizer_step(
         optimizer, (lambda norm: check(loss, norm)) if check is not None else None)
     if ok:
         scheduler.step(increment=1)
@@ -161,9 +162,8 @@ def train_step(model, optimizer, scheduler, microbatches: List[Batch], seq_lengt
         grad_norm=grad_norm,
         lr=optimizer.param_groups[0]["lr"],
         loss_scale=float(optimizer.get_loss_scale().item()),
-        skipped=not ok,
-        rejected=rejected,
-        scale_used=float(scale.item()) if rejected == OVERFLOW else None,
+        skipped=skipped,
+        scale_used=float(scale.item()) if skipped == OVERFLOW else None,
     )
 
 

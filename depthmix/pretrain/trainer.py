@@ -11,19 +11,19 @@ from typing import List, Optional
 import numpy as np
 from megatron.core.distributed import finalize_model_grads
 
-from depthmix.megatron_ext.config import to_transformer_config
+from depthmix.checkpoint import distributed, store
 from depthmix.config.schema import RunConfig
-from depthmix.pretrain.preflight import preflight
-from depthmix.checkpoint import distributed as ckpt
+from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.planning.flops import ThroughputMeter
 from depthmix.pretrain.callbacks import Callback, ConsoleLogger
-from depthmix.pretrain.health import HealthGuard
+from depthmix.pretrain.health import Action, HealthGuard, TrainingDiverged, Verdict
 from depthmix.pretrain.optim import build_optimizer
 from depthmix.pretrain.parallelize import build_model, init_distributed
-from depthmix.runtime.device import device_name
-from depthmix.runtime.log import say
+from depthmix.pretrain.preflight import preflight
 from depthmix.pretrain.state import TrainState
 from depthmix.pretrain.step import StepResult, eval_step, take, train_step
+from depthmix.runtime.device import device_name
+from depthmix.runtime.log import say
 
 log = logging.getLogger("depthmix")
 
@@ -41,8 +41,8 @@ class Trainer:
         # data comes from them
         preflight(run, world_size, data=data is None)
         self.run = run
-        self.health = HealthGuard(run.train)
         self.topo = init_distributed(run)
+        self.health = HealthGuard(run.train, logging_rank=self.topo.is_logging_rank)
         self._agree_on_output_dir()
         # Python/NumPy generators as Megatron-LM seeds them (torch's: init_distributed)
         random.seed(run.train.seed + 100 * self.topo.pp_rank)
@@ -56,7 +56,9 @@ class Trainer:
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.topo.dp)
         self.meter = ThroughputMeter.of(run, self.config, self.topo.world_size, device_name())
         self.last: Optional[StepResult] = None
-        self.state = TrainState.fresh(ckpt.default_save_dir(run))
+        self.verdict: Optional[Verdict] = None
+        """The health verdict on the last step, acted on after the callbacks saw it."""
+        self.state = TrainState.fresh(store.default_save_dir(run))
         self.resume()  # before the callbacks and the data, which start from its state
         self.callbacks = list(callbacks) if callbacks is not None else [ConsoleLogger()]
         for cb in self.callbacks:
@@ -117,8 +119,8 @@ class Trainer:
 
     def resume(self) -> None:
         """Continue from the save directory's checkpoint, else ``train.load_dir``'s (see
-        :func:`checkpoint.resume_point`), else start fresh."""
-        point = ckpt.resume_point(self.run, self.state.save_dir)
+        :func:`~depthmix.checkpoint.distributed.resume_point`), else start fresh."""
+        point = distributed.resume_point(self.run, self.state.save_dir)
         if point is None:
             return
         path, weights_only = point
@@ -127,12 +129,12 @@ class Trainer:
             say(f"resumed from {path} at step {loaded.meta['step']}"
                 + (" (weights only)" if weights_only else ""))
 
-    def load_checkpoint(self, path: str, weights_only: bool = False) -> "ckpt.Loaded":
+    def load_checkpoint(self, path: str, weights_only: bool = False) -> distributed.Loaded:
         """Collective: restore the model (and unless ``weights_only`` the optimizer, schedule,
         RNG and data position) from the checkpoint directory ``path``."""
-        loaded = ckpt.load(path, run=self.run, model=self.model, topo=self.topo,
-                           optimizer=self.optimizer, scheduler=self.scheduler,
-                           weights_only=weights_only)
+        loaded = distributed.load(path, run=self.run, model=self.model, topo=self.topo,
+                                  optimizer=self.optimizer, scheduler=self.scheduler,
+                                  weights_only=weights_only)
         if loaded.step is not None:
             self.state.step, self.state.consumed_samples = loaded.step, loaded.consumed_samples
         self.state.resumed_from, self.state.weights_only = path, loaded.weights_only
@@ -143,13 +145,49 @@ class Trainer:
         """Collective: save the current state under ``root`` (default the run's save
         directory); returns the checkpoint's path."""
         tokenizer = getattr(getattr(getattr(self, "data", None), "tokenizer", None), "path", None)
-        path = ckpt.save(root or self.state.save_dir, run=self.run, model=self.model,
-                         optimizer=self.optimizer, scheduler=self.scheduler, topo=self.topo,
-                         state=self.state, keep_last=keep_last, estimate=estimate,
-                         health=self.health.mark(self), tokenizer=tokenizer,
-                         extra_meta=extra_meta)
-        self.health.saved(self, path)
+        health = self.health.mark(self.last)
+        path = distributed.save(
+            root or self.state.save_dir, run=self.run, model=self.model,
+            optimizer=self.optimizer, scheduler=self.scheduler, topo=self.topo, step=self.step,
+            consumed_samples=self.consumed_samples, keep_last=keep_last, estimate=estimate,
+            health=health, tokenizer=tokenizer, extra_meta=extra_meta)
+        self.state.unconfirmed = path if health["healthy"] else None
         return path
+
+    def _settle_checkpoint(self, finite: bool) -> None:
+        """The first step after a save is the first to use its weights: it confirms the
+        checkpoint, or demotes it when it was non-finite (retention and rollback then go
+        further back)."""
+        path, self.state.unconfirmed = self.state.unconfirmed, None
+        if not finite and self.topo.is_logging_rank:
+            log.warning("step %d, the first after checkpoint %s, was non-finite: that "
+                        "checkpoint is marked unhealthy", self.step, path)
+        if self.topo.rank == 0:
+            store.settle_health(path, self.step, finite)
+
+    def roll_back(self, reason: str) -> bool:
+        """Collective: reload the newest healthy intact checkpoint of the save directory and
+        keep the data position (continue after the window that failed). False when there is
+        none: the step is skipped instead."""
+        path = distributed.rollback_point(self.state.save_dir, self.run.train.ckpt_integrity)
+        if path is None:
+            if self.topo.is_logging_rank:
+                log.warning("step %d: %s, but no healthy checkpoint in %s to roll back to: "
+                            "the step is skipped instead", self.step, reason,
+                            self.state.save_dir)
+            return False
+        failed_at, position = self.step, self.consumed_samples
+        self.state.unconfirmed = None
+        self.load_checkpoint(path)
+        skipped = position - self.consumed_samples
+        self.consumed_samples = position
+        self.health.rolled_back()
+        for cb in self.callbacks:
+            cb.post_restore(self)
+        if self.topo.is_logging_rank:
+            say(f"rolled back from step {failed_at} ({reason}) to {path}; skipping the "
+                f"{skipped} samples since")
+        return True
 
     # ---- steps ----------------------------------------------------------------------------
     def is_log_step(self) -> bool:
@@ -169,7 +207,12 @@ class Trainer:
         self.meter.add(result.seconds)
         if self.is_log_step():
             result.perf = self.meter.read()
-        self.health.observe(self, result)
+        self.verdict = self.health.observe(self.step, result)
+        result.nonfinite = self.verdict.nonfinite
+        result.nonfinite_steps = self.health.total
+        if self.state.unconfirmed is not None and (
+                result.nonfinite or self.verdict.action is Action.APPLY):
+            self._settle_checkpoint(finite=not result.nonfinite)
         self.last = result
         return result
 
@@ -203,7 +246,10 @@ class Trainer:
             steps_this_run += 1
             for cb in self.callbacks:
                 cb.post_step(self, result)
-            self.health.act(self)  # stop (TrainingDiverged) or roll back, after logging
+            if self.verdict.action is Action.STOP:  # after the callbacks logged the step
+                raise TrainingDiverged(self.verdict.reason)
+            if self.verdict.action is Action.ROLLBACK:
+                self.roll_back(self.verdict.reason)
             if t.eval_interval and self.step % t.eval_interval == 0 and self.stop_reason is None:
                 self._run_eval()  # not while being preempted: save first
         if (t.eval_interval and self.step % t.eval_interval and self.step >= t.steps

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from depthmix.checkpoint import distributed, store
 from depthmix.config.schema import ConfigError
-from depthmix.checkpoint import distributed as ckpt
 from depthmix.pretrain.callbacks import CheckpointCallback
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
@@ -39,25 +39,25 @@ def test_crash_while_writing_keeps_the_previous_checkpoint(trainer_factory, monk
     t.save_checkpoint(root)
     t.train_one_step()
 
-    real_save = ckpt.dist_checkpointing.save
+    real_save = distributed.dist_checkpointing.save
 
     def dies_after_writing(state, path, **kwargs):
         real_save(state, path, **kwargs)
         raise RuntimeError("node lost power")
 
-    monkeypatch.setattr(ckpt.dist_checkpointing, "save", dies_after_writing)
+    monkeypatch.setattr(distributed.dist_checkpointing, "save", dies_after_writing)
     with pytest.raises(RuntimeError, match="node lost power"):
         t.save_checkpoint(root)
     monkeypatch.undo()
-    assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 2)
-    assert not os.path.exists(ckpt.step_dir(root, 3))
+    assert store.latest_checkpoint(root) == store.step_dir(root, 2)
+    assert not os.path.exists(store.step_dir(root, 3))
     assert not os.path.exists(os.path.join(root, ".tmp_iter_0000003"))  # removed on failure
 
     resumed = trainer_factory([CheckpointCallback()])
-    assert resumed.step == 2 and resumed.state.resumed_from == ckpt.step_dir(root, 2)
+    assert resumed.step == 2 and resumed.state.resumed_from == store.step_dir(root, 2)
     resumed.train_one_step()
     resumed.save_checkpoint(root)  # cleans the leftovers
-    assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 3)
+    assert store.latest_checkpoint(root) == store.step_dir(root, 3)
     assert not [n for n in os.listdir(root) if n.startswith((".tmp", ".trash"))]
 
 
@@ -68,19 +68,19 @@ def test_crash_before_the_tracker_update(trainer_factory, monkeypatch):
     t.train_one_step()
     t.save_checkpoint(root)
     t.train_one_step()
-    real = ckpt._write_atomic
+    real = store._write_atomic
 
     def dies_on_tracker(path, text):
-        if path.endswith(ckpt.TRACKER):
+        if path.endswith(store.TRACKER):
             raise RuntimeError("killed")
         real(path, text)
 
-    monkeypatch.setattr(ckpt, "_write_atomic", dies_on_tracker)
+    monkeypatch.setattr(store, "_write_atomic", dies_on_tracker)
     with pytest.raises(RuntimeError):
         t.save_checkpoint(root)
     monkeypatch.undo()
-    assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 1)
-    assert ckpt.is_complete(ckpt.step_dir(root, 2))
+    assert store.latest_checkpoint(root) == store.step_dir(root, 1)
+    assert store.is_complete(store.step_dir(root, 2))
 
 
 def test_keep_last(trainer_factory):
@@ -89,24 +89,24 @@ def test_keep_last(trainer_factory):
     for _ in range(4):
         t.train_one_step()
         t.save_checkpoint(root, keep_last=2)
-    assert [s for s, _ in ckpt.list_checkpoints(root)] == [3, 4]
-    assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 4)
+    assert [s for s, _ in store.list_checkpoints(root)] == [3, 4]
+    assert store.latest_checkpoint(root) == store.step_dir(root, 4)
 
 
 def test_bad_trackers_and_load_dirs(tmp_path, trainer_factory):
     root = tmp_path / "broken"
     root.mkdir()
-    (root / ckpt.TRACKER).write_text("banana")
+    (root / store.TRACKER).write_text("banana")
     with pytest.raises(RuntimeError, match="corrupt"):
-        ckpt.latest_checkpoint(str(root))
-    (root / ckpt.TRACKER).write_text("7")
+        store.latest_checkpoint(str(root))
+    (root / store.TRACKER).write_text("7")
     with pytest.raises(RuntimeError, match="missing or incomplete"):
-        ckpt.latest_checkpoint(str(root))
+        store.latest_checkpoint(str(root))
     done = root / "iter_0000005"  # a complete older one: used instead, with a warning
     done.mkdir()
-    (done / ckpt.META).write_text("{}")
-    assert ckpt.latest_checkpoint(str(root)) == str(done)
-    assert ckpt.latest_checkpoint(str(tmp_path / "nothing-here")) is None
+    (done / store.META).write_text("{}")
+    assert store.latest_checkpoint(str(root)) == str(done)
+    assert store.latest_checkpoint(str(tmp_path / "nothing-here")) is None
 
     run_dir = tmp_path / "empty"
     run_dir.mkdir()
@@ -127,7 +127,7 @@ def test_own_checkpoints_win_over_load_dir(trainer_factory, tmp_path):
     t.save_checkpoint(t.run.train.save_dir)  # this run's own progress, step 3
     t.run.train.load_dir = str(tmp_path / "pretrained")
     t.resume()
-    assert t.state.resumed_from == ckpt.step_dir(t.run.train.save_dir, 3) and t.step == 3
+    assert t.state.resumed_from == store.step_dir(t.run.train.save_dir, 3) and t.step == 3
 
 
 def test_dp_reshardable_optimizer_state_cannot_change_tp(trainer_factory, tmp_path):
@@ -137,7 +137,7 @@ def test_dp_reshardable_optimizer_state_cannot_change_tp(trainer_factory, tmp_pa
     meta = {"step": 5, "layout": {"tp": 2, "pp": 1, "vp": 1, "dp": 1,
                                   "distributed_optimizer": True},
             "optim_format": "dp_reshardable"}
-    (fake / ckpt.META).write_text(json.dumps(meta))
+    (fake / store.META).write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="ckpt_optim_format=fully_reshardable"):
         t.load_checkpoint(str(fake))
 
@@ -162,7 +162,7 @@ def test_resume_with_the_real_data_pipeline_is_exact(megatron_single, tmp_path):
     Trainer(run_config(save_dir=root, save_interval=2, keep_last=0, steps=4),
             callbacks=[straight, CheckpointCallback()]).train()
     resumed = Recorder()
-    t = Trainer(run_config(load_dir=ckpt.step_dir(root, 2), save_dir=root + "_b", steps=4),
+    t = Trainer(run_config(load_dir=store.step_dir(root, 2), save_dir=root + "_b", steps=4),
                 callbacks=[resumed, CheckpointCallback()])
     assert t.step == 2 and t.consumed_samples == 16
     t.train()

@@ -11,9 +11,8 @@ import shutil
 import pytest
 import torch
 
+from depthmix.checkpoint import integrity, store
 from depthmix.config.schema import ConfigError
-from depthmix.checkpoint import distributed as ckpt
-from depthmix.checkpoint import integrity
 from depthmix.pretrain.callbacks import CheckpointCallback
 from depthmix.pretrain.parallelize import unwrap
 from depthmix.pretrain.trainer import Trainer
@@ -70,7 +69,7 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(saved, tmp_pat
     """Weights overwritten with 0xFF bytes (NaN in fp32, same size: found by the checksum),
     or a shard cut short (found by its size): the run resumes from step 2, not step 3."""
     root, _ = saved
-    shard = _largest_shard(ckpt.step_dir(root, 3))
+    shard = _largest_shard(store.step_dir(root, 3))
     size = os.path.getsize(shard)
     with open(shard, "r+b") as f:
         if damage == "overwrite":
@@ -80,19 +79,19 @@ def test_damaged_checkpoint_is_detected_and_the_previous_one_used(saved, tmp_pat
             f.truncate(size - 100)
     with caplog.at_level(logging.WARNING, logger="depthmix"):
         t = _resume(tmp_path, ckpt_integrity=mode)
-    assert t.state.resumed_from == ckpt.step_dir(root, 2) and t.step == 2
-    assert f"checkpoint {ckpt.step_dir(root, 3)} is damaged" in caplog.text
+    assert t.state.resumed_from == store.step_dir(root, 2) and t.step == 2
+    assert f"checkpoint {store.step_dir(root, 3)} is damaged" in caplog.text
     assert os.path.basename(shard) in caplog.text
     assert all(torch.isfinite(p).all() for p in t.model[0].parameters())
 
 
 def test_manifest_records_every_file(saved):
     root, _ = saved
-    meta = ckpt.read_meta(ckpt.step_dir(root, 3))
-    on_disk = integrity.list_files(ckpt.step_dir(root, 3), exclude=(ckpt.META,))
+    meta = store.read_meta(store.step_dir(root, 3))
+    on_disk = integrity.list_files(store.step_dir(root, 3), exclude=(store.META,))
     assert sorted(meta["files"]) == on_disk and meta["integrity"] == "checksum"
     assert all(len(entry[integrity.HASH]) == 32 for entry in meta["files"].values())
-    assert integrity.verify(ckpt.step_dir(root, 3), meta["files"], "checksum") == []
+    assert integrity.verify(store.step_dir(root, 3), meta["files"], "checksum") == []
 
 
 @pytest.mark.parametrize("tracker", ["deleted", "garbage", "empty"])
@@ -100,7 +99,7 @@ def test_missing_or_unreadable_tracker_resumes_from_the_newest_complete(saved, t
                                                                          caplog, tracker):
     """Before: a missing tracker silently restarted from step 0 (and overwrote the run)."""
     root, weights = saved
-    path = os.path.join(root, ckpt.TRACKER)
+    path = os.path.join(root, store.TRACKER)
     if tracker == "deleted":
         os.remove(path)
     else:
@@ -108,20 +107,20 @@ def test_missing_or_unreadable_tracker_resumes_from_the_newest_complete(saved, t
             f.write(b"\x00\xffnot a step" if tracker == "garbage" else b"")
     with caplog.at_level(logging.WARNING, logger="depthmix"):
         t = _resume(tmp_path)
-    assert t.step == 3 and t.state.resumed_from == ckpt.step_dir(root, 3)
-    assert f"using the newest complete checkpoint, {ckpt.step_dir(root, 3)}" in caplog.text
+    assert t.step == 3 and t.state.resumed_from == store.step_dir(root, 3)
+    assert f"using the newest complete checkpoint, {store.step_dir(root, 3)}" in caplog.text
     for name, param in unwrap(t.model[0]).named_parameters():
         assert torch.equal(param, weights[name]), name
 
 
 def test_unhealthy_newest_checkpoint_is_passed_over(saved, tmp_path, caplog):
     root, _ = saved
-    ckpt.set_health(ckpt.step_dir(root, 3), healthy=False)
-    assert ckpt.resume_candidates(root, warn=False) == [ckpt.step_dir(root, 2),
-                                                        ckpt.step_dir(root, 3)]
+    store.set_health(store.step_dir(root, 3), healthy=False)
+    assert store.resume_candidates(root, warn=False) == [store.step_dir(root, 2),
+                                                        store.step_dir(root, 3)]
     with caplog.at_level(logging.WARNING, logger="depthmix"):
         t = _resume(tmp_path)
-    assert t.state.resumed_from == ckpt.step_dir(root, 2)
+    assert t.state.resumed_from == store.step_dir(root, 2)
     assert "resuming from the newest healthy one" in caplog.text
 
 
@@ -134,8 +133,8 @@ def test_retention_never_prunes_the_newest_healthy_checkpoint(megatron_single, t
         t.train_one_step()
         t.last.nonfinite = True
         t.save_checkpoint(root, keep_last=1)
-    assert [s for s, _ in ckpt.list_checkpoints(root)] == [1, 4]
-    assert ckpt.newest_healthy(root) == ckpt.step_dir(root, 1)
+    assert [s for s, _ in store.list_checkpoints(root)] == [1, 4]
+    assert [store.is_healthy(p) for _, p in store.list_checkpoints(root)] == [True, False]
 
 
 def test_other_configuration_is_refused_before_the_model_is_built(saved, tmp_path,
@@ -156,12 +155,12 @@ def test_other_configuration_is_refused_before_the_model_is_built(saved, tmp_pat
     run = _run(tmp_path / "other", load_dir=root, precision="bf16")
     run.model.seq_length = 32
     with pytest.raises(ConfigError) as err:
-        ckpt.preflight_checkpoint(run)
+        store.preflight_checkpoint(run)
     message = str(err.value)
     assert "model.seq_length: checkpoint 16, this run 32" in message
     assert "train.precision: checkpoint 'fp32', this run 'bf16'" in message
     assert "add train.load_weights_only=true" in message
-    assert ckpt.preflight_checkpoint(_run(tmp_path)) == ckpt.step_dir(root, 3)
+    assert store.preflight_checkpoint(_run(tmp_path)) == store.step_dir(root, 3)
 
 
 def test_load_weights_only_fine_tunes_across_mixers(saved, tmp_path):
@@ -171,7 +170,7 @@ def test_load_weights_only_fine_tunes_across_mixers(saved, tmp_path):
     t = Trainer(_run(tmp_path / "ft", mixer="depth_attn", load_dir=root,
                      load_weights_only=True, precision="bf16"),
                 data=SyntheticData, callbacks=[CheckpointCallback()])
-    assert t.state.resumed_from == ckpt.step_dir(root, 3)
+    assert t.state.resumed_from == store.step_dir(root, 3)
     assert t.step == 0 and t.consumed_samples == 0 and t.scheduler.num_steps == 0
     for name, param in unwrap(t.model[0]).named_parameters():
         assert param.dtype == torch.bfloat16, name

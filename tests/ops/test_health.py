@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from depthmix.checkpoint import distributed as ckpt
+from depthmix.checkpoint import store
 from depthmix.pretrain.callbacks import CheckpointCallback
-from depthmix.pretrain.health import HealthGuard, TrainingDiverged
+from depthmix.pretrain.health import NONFINITE_LOSS, Action, HealthGuard, TrainingDiverged
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
 
@@ -146,7 +146,7 @@ def test_rollback_reloads_the_last_checkpoint_and_skips_the_window(make_trainer)
     kept = rec.steps[:3] + rec.steps[5:]
     for key in ("loss", "grad_norm", "lr", "rng"):
         assert [s[key] for s in kept] == [s[key] for s in reference.steps], key
-    assert ckpt.read_meta(ckpt.step_dir(t.state.save_dir, 7))["consumed_train_samples"] == 72
+    assert store.read_meta(store.step_dir(t.state.save_dir, 7))["consumed_train_samples"] == 72
 
 
 def test_a_nonfinite_step_right_after_a_save_demotes_that_checkpoint(make_trainer):
@@ -156,7 +156,7 @@ def test_a_nonfinite_step_right_after_a_save_demotes_that_checkpoint(make_traine
     t = make_trainer(data=functools.partial(FaultyData, nan_steps=(5,)),
                      callbacks=[CheckpointCallback()], save_interval=2, keep_last=1, steps=6)
     t.train()
-    health = {s: ckpt.read_meta(p)["health"] for s, p in ckpt.list_checkpoints(t.state.save_dir)}
+    health = {s: store.read_meta(p)["health"] for s, p in store.list_checkpoints(t.state.save_dir)}
     assert sorted(health) == [2, 6]  # 4 pruned once demoted; 2 kept: newest confirmed
     assert health[2]["healthy"] and health[2]["confirmed"]
     assert health[6]["healthy"] and not health[6]["confirmed"]
@@ -188,24 +188,28 @@ def test_loss_spike_zscore():
     cfg = SimpleNamespace(spike_zscore=3.0, spike_window=4, on_spike="skip",
                           on_nonfinite="skip", max_nonfinite_steps=2, min_loss_scale=1.0)
     guard = HealthGuard(cfg)
-    trainer = SimpleNamespace(step=0)
+    steps, verdicts = [0], []
 
     def step(loss):
-        trainer.step += 1
-        rejected = guard.check(loss, 1.0)
-        result = SimpleNamespace(loss=loss, grad_norm=1.0, rejected=rejected, scale_used=None)
-        guard.observe(trainer, result)
-        return rejected
+        steps[0] += 1
+        skipped = guard.check(loss, 1.0)
+        result = SimpleNamespace(loss=loss, grad_norm=1.0, skipped=skipped, scale_used=None)
+        verdicts.append(guard.observe(steps[0], result))
+        return skipped
 
     assert [step(x) for x in (5.0, 4.9, 5.1, 5.0)] == [None] * 4  # filling the window
+    assert [v.action for v in verdicts] == [Action.APPLY] * 4
     assert step(9.0) == "loss spike" and guard.spikes == 1
+    assert verdicts[-1].action is Action.SKIP and verdicts[-1].reason == "loss spike"
     assert step(4.0) is None  # lower losses are never spikes
     assert step(9.0) == "loss spike"
-    assert guard._pending is None
-    assert step(9.0) == "loss spike" and guard._pending[0] == "stop"  # 2 in a row
+    assert verdicts[-1].action is Action.SKIP and not verdicts[-1].nonfinite
+    assert step(9.0) == "loss spike" and verdicts[-1].action is Action.STOP  # 2 in a row
+    assert "max_nonfinite_steps=2" in verdicts[-1].reason
     log_only = HealthGuard(SimpleNamespace(**{**vars(cfg), "on_spike": "log"}))
-    guard, trainer.step = log_only, 0
+    guard, steps[0] = log_only, 0
     assert [step(x) for x in (5.0, 4.9, 5.1, 5.0, 9.0)] == [None] * 5
+    assert verdicts[-1].action is Action.APPLY
     assert log_only.spikes == 1 and list(log_only.window)[-1] == 9.0
 
 
@@ -220,9 +224,9 @@ def test_diverging_run_keeps_a_healthy_checkpoint_to_resume_from(make_trainer, t
     root = tmp_path / "ckpt"
     root.mkdir()
     for step in (2, 3):
-        shutil.copytree(ckpt.step_dir(str(tmp_path / "straight"), step),
-                        ckpt.step_dir(str(root), step))
-    (root / ckpt.TRACKER).write_text("3")
+        shutil.copytree(store.step_dir(str(tmp_path / "straight"), step),
+                        store.step_dir(str(root), step))
+    (root / store.TRACKER).write_text("3")
 
     diverging = Recorder()
     t = make_trainer(callbacks=[diverging, CheckpointCallback()], save_interval=1, keep_last=1,
@@ -232,14 +236,14 @@ def test_diverging_run_keeps_a_healthy_checkpoint_to_resume_from(make_trainer, t
         t.train()
     assert [math.isfinite(s["loss"]) for s in diverging.steps] == [True, False, False, False]
     assert t.step == 7
-    kept = [s for s, _ in ckpt.list_checkpoints(str(root))]
+    kept = [s for s, _ in store.list_checkpoints(str(root))]
     assert kept == [3, 7]
-    assert ckpt.read_meta(ckpt.step_dir(str(root), 3))["health"]["confirmed"]
-    assert not ckpt.read_meta(ckpt.step_dir(str(root), 7))["health"]["healthy"]
+    assert store.read_meta(store.step_dir(str(root), 3))["health"]["confirmed"]
+    assert not store.read_meta(store.step_dir(str(root), 7))["health"]["healthy"]
 
     resumed = Recorder()
     t = make_trainer(callbacks=[resumed, CheckpointCallback()], steps=5)
-    assert t.state.resumed_from == ckpt.step_dir(str(root), 3)
+    assert t.state.resumed_from == store.step_dir(str(root), 3)
     t.train()
     assert [s["loss"] for s in resumed.steps] == [s["loss"] for s in straight.steps[3:]]
 
@@ -277,8 +281,8 @@ def test_ranks_agree_without_an_extra_collective():
         a, b = (r[name] for r in per_rank)
         for x, y in zip(a["steps"], b["steps"]):
             assert x[1:] == y[1:] and (x[0] == y[0] or math.isnan(x[0]) and math.isnan(y[0]))
-        assert [s[1:] for s in a["steps"]] == [(False, False)] * 2 + [(True, True),
-                                                                       (False, False)], name
+        assert [s[1:] for s in a["steps"]] == [(False, None)] * 2 + [
+            (True, NONFINITE_LOSS), (False, None)], name
         assert math.isnan(a["steps"][2][0]), name
         for rank in (a, b):  # step 3 left every rank's weights alone
             w = rank["weights"]
@@ -298,4 +302,4 @@ def test_cli_exits_3_when_training_diverges(tmp_path):
     assert "training diverged at step 3" in proc.stderr
     assert "train.max_nonfinite_steps=2" in proc.stderr
     assert "| nonfinite 2" in proc.stdout
-    assert not os.path.exists(out / "checkpoints" / ckpt.TRACKER)  # nothing saved after NaN
+    assert not os.path.exists(out / "checkpoints" / store.TRACKER)  # nothing saved after NaN

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from depthmix.checkpoint.distributed import latest_checkpoint, step_dir
+from depthmix.checkpoint.store import latest_checkpoint, step_dir
 
 from cli_runs import TINY, Proc, calls, slurm_env
 from ops_harness import REPO

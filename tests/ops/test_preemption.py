@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from depthmix.checkpoint.distributed import latest_checkpoint, read_meta, step_dir
+from depthmix.checkpoint.store import latest_checkpoint, read_meta, step_dir
 
 from cli_runs import TINY, Proc, base_env, rank_processes, torchrun
 from ops_harness import PYTHON, REPO

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from depthmix.checkpoint.distributed import latest_checkpoint, list_checkpoints, read_meta, step_dir
+from depthmix.checkpoint.store import latest_checkpoint, list_checkpoints, read_meta, step_dir
 
 from ops_harness import make_run, spawn, train
 

@@ -12,12 +12,11 @@ import uuid
 
 import pytest
 
+from depthmix.checkpoint import guard, store
+from depthmix.checkpoint.guard import SaveError, SaveLock
 from depthmix.config.schema import ConfigError
-from depthmix.checkpoint import distributed as ckpt
-from depthmix.checkpoint import guard as save_guard
 from depthmix.pretrain.callbacks import CheckpointCallback, PreemptionCallback
 from depthmix.pretrain.callbacks.base import Callback
-from depthmix.checkpoint.guard import SaveError, SaveLock
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
 
@@ -69,10 +68,10 @@ def test_retention_makes_room_on_a_small_disk(megatron_single, small_disk):
     t = _trainer(root, save_interval=1, keep_last=2, steps=4)
     t.train()
     t.close()
-    assert [s for s, _ in ckpt.list_checkpoints(root)] == [3, 4]
-    assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 4)
+    assert [s for s, _ in store.list_checkpoints(root)] == [3, 4]
+    assert store.latest_checkpoint(root) == store.step_dir(root, 4)
     assert not _leftovers(root)
-    assert not os.path.exists(os.path.join(root, save_guard.LOCK))  # released on close
+    assert not os.path.exists(os.path.join(root, guard.LOCK))  # released on close
 
 
 def test_full_disk_fails_clearly_keeps_the_previous_checkpoint(megatron_single, small_disk):
@@ -80,8 +79,8 @@ def test_full_disk_fails_clearly_keeps_the_previous_checkpoint(megatron_single, 
     t = _trainer(root, keep_last=1)
     t.train_one_step()
     t.save_checkpoint(root, keep_last=1)
-    size = save_guard.dir_bytes(ckpt.step_dir(root, 1))
-    free = save_guard.free_bytes(root)
+    size = guard.dir_bytes(store.step_dir(root, 1))
+    free = guard.free_bytes(root)
     with open(os.path.join(small_disk, "filler"), "wb") as f:  # leave half a checkpoint
         f.write(b"\0" * (free - size // 2))
     t.train_one_step()
@@ -91,7 +90,7 @@ def test_full_disk_fails_clearly_keeps_the_previous_checkpoint(megatron_single, 
     assert "not enough space" in message and root in message
     assert "bytes) are free" in message and "bytes, from the size of" in message
     assert not _leftovers(root)
-    assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 1)  # the newest is kept
+    assert store.latest_checkpoint(root) == store.step_dir(root, 1)  # the newest is kept
     t.close()
 
     # the re-run is refused at start-up (before any work), naming the directory ...
@@ -100,10 +99,10 @@ def test_full_disk_fails_clearly_keeps_the_previous_checkpoint(megatron_single, 
     # ... and resumes from the intact checkpoint once there is room
     os.unlink(os.path.join(small_disk, "filler"))
     again = _trainer(root, keep_last=1, steps=3)
-    assert again.step == 1 and again.state.resumed_from == ckpt.step_dir(root, 1)
+    assert again.step == 1 and again.state.resumed_from == store.step_dir(root, 1)
     again.train()
     again.close()
-    assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 3)
+    assert store.latest_checkpoint(root) == store.step_dir(root, 3)
 
 
 def test_enospc_while_writing(megatron_single, tmp_path, monkeypatch):
@@ -116,7 +115,7 @@ def test_enospc_while_writing(megatron_single, tmp_path, monkeypatch):
     t = _trainer(root)
     t.train_one_step()
     t.save_checkpoint(root)
-    tracker = open(os.path.join(root, ckpt.TRACKER)).read()
+    tracker = open(os.path.join(root, store.TRACKER)).read()
     t.train_one_step()
 
     def disk_full(*args, **kwargs):  # writing one item to its open shard file
@@ -126,16 +125,16 @@ def test_enospc_while_writing(megatron_single, tmp_path, monkeypatch):
     with pytest.raises(SaveError, match="no space left on device") as err:
         t.save_checkpoint(root)
     monkeypatch.undo()
-    assert f"previous checkpoint {ckpt.step_dir(root, 1)} is intact" in str(err.value)
-    assert not _leftovers(root) and not os.path.exists(ckpt.step_dir(root, 2))
-    assert open(os.path.join(root, ckpt.TRACKER)).read() == tracker
+    assert f"previous checkpoint {store.step_dir(root, 1)} is intact" in str(err.value)
+    assert not _leftovers(root) and not os.path.exists(store.step_dir(root, 2))
+    assert open(os.path.join(root, store.TRACKER)).read() == tracker
     t.close()
 
     again = _trainer(root)
-    assert again.state.resumed_from == ckpt.step_dir(root, 1)
+    assert again.state.resumed_from == store.step_dir(root, 1)
     again.train_one_step()
     again.save_checkpoint(root)
-    assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 2)
+    assert store.latest_checkpoint(root) == store.step_dir(root, 2)
     again.close()
 
 
@@ -172,7 +171,7 @@ def test_second_run_on_a_locked_save_dir_is_refused(megatron_single, tmp_path):
     t = _trainer(root)  # a stale lock (its process is gone) is taken over
     assert SaveLock(root).read()["pid"] == os.getpid()
     t.close()
-    assert not os.path.exists(os.path.join(root, save_guard.LOCK))
+    assert not os.path.exists(os.path.join(root, guard.LOCK))
 
 
 def _foreign_lock(root, job_id):
@@ -273,7 +272,7 @@ def test_second_ctrl_c_aborts_at_once(tmp_path):
         child.p.send_signal(signal.SIGINT)
         assert child.p.wait(10) == 130, child.text[-2000:]
         assert not _survivors(tree)
-        assert not os.path.exists(os.path.join(run_dir, "checkpoints", save_guard.LOCK))
+        assert not os.path.exists(os.path.join(run_dir, "checkpoints", guard.LOCK))
     finally:
         child.kill()
         for p in tree:
@@ -309,7 +308,7 @@ def test_sigterm_during_eval_saves_within_one_eval_batch(megatron_single, tmp_pa
     t.close()
     assert steps == [1, 2] and t.stop_reason == "preempted (SIGTERM)"
     assert SignalOnFirstEvalBatch.drawn == t.num_microbatches  # one eval batch of 50
-    assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 2)
+    assert store.latest_checkpoint(root) == store.step_dir(root, 2)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
 
 
@@ -326,5 +325,5 @@ def test_ctrl_c_saves_and_stops(megatron_single, tmp_path):
     t.train()
     t.close()
     assert t.step == 2 and t.stop_reason == "preempted (SIGINT)"
-    assert ckpt.latest_checkpoint(root) == ckpt.step_dir(root, 2)
+    assert store.latest_checkpoint(root) == store.step_dir(root, 2)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

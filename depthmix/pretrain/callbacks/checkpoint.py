@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from depthmix.checkpoint import guard as save_guard
+from depthmix.checkpoint.guard import SaveGuard
 from depthmix.pretrain.callbacks.base import Callback
 
 log = logging.getLogger("depthmix")
@@ -23,13 +23,12 @@ class CheckpointCallback(Callback):
 
     def __init__(self):
         self.last_saved_step: Optional[int] = None
-        self.guard: Optional[save_guard.SaveGuard] = None
+        self.guard: Optional[SaveGuard] = None
 
     def setup(self, trainer) -> None:
         # lock, writable, room for a checkpoint: refused now rather than at the first save
-        self.guard = save_guard.SaveGuard.start(trainer.state.save_dir, run=trainer.run,
-                                                model=trainer.model, topo=trainer.topo,
-                                                step=trainer.step)
+        self.guard = SaveGuard.start(trainer.state.save_dir, run=trainer.run, model=trainer.model,
+                                     topo=trainer.topo, step=trainer.step)
         if trainer.state.resumed_from and not trainer.state.weights_only:
             self.last_saved_step = trainer.step
 

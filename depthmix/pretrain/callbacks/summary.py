@@ -17,6 +17,7 @@ import sys
 import time
 from typing import List, Mapping, Optional, Sequence
 
+from depthmix.checkpoint.store import latest_checkpoint
 from depthmix.pretrain.callbacks.base import Callback
 from depthmix.runtime.log import say, short_path
 
@@ -130,8 +131,6 @@ class RunSummary(Callback):
         return "run stopped (train.exit_after_steps)"
 
     def lines(self, trainer) -> List[str]:
-        from depthmix.checkpoint import distributed as ckpt
-
         run, t = trainer.run, trainer.run.train
         head = f"{self._ending(trainer)} at step {trainer.step}/{t.steps}"
         if trainer.last is not None:
@@ -143,7 +142,7 @@ class RunSummary(Callback):
         contents = [n for n in ("train.log", "checkpoints", "wandb", "depth_stats", "profile")
                     if os.path.exists(os.path.join(run.output_dir, n))]
         lines = [head, f"outputs: {out}" + (f" ({', '.join(contents)})" if contents else "")]
-        last = ckpt.latest_checkpoint(trainer.state.save_dir)
+        last = latest_checkpoint(trainer.state.save_dir)
         lines.append(f"last checkpoint: {short_path(last) if last else 'none'}")
         wandb_dir = next((cb.directory for cb in trainer.callbacks
                           if getattr(cb, "directory", None)), None)

@@ -26,9 +26,9 @@ import os
 import secrets
 import string
 
+from depthmix.checkpoint.store import write_run_id
 from depthmix.pretrain.callbacks.base import Callback
 from depthmix.runtime.log import say, short_path
-from depthmix.pretrain.state import RUN_ID_FILE, write_run_id  # noqa: F401  (RUN_ID_FILE re-exported)
 
 log = logging.getLogger("depthmix")
 
@@ -116,7 +116,7 @@ class WandbLogger(Callback):
             "train/loss": result.loss,
             "train/lr": result.lr,
             "train/loss_scale": result.loss_scale,
-            "train/skipped": int(result.skipped),
+            "train/skipped": int(result.skipped is not None),
             "train/nonfinite_steps": result.nonfinite_steps,
             "train/consumed_samples": trainer.consumed_samples,
             "train/tokens": trainer.consumed_samples * trainer.run.model.seq_length,
