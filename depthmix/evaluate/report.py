@@ -77,7 +77,7 @@ def log_wandb(job, results: dict) -> Optional[str]:
         return None
     import wandb
 
-    from depthmix.pretrain.callbacks.wandb import RUN_ID_FILE
+    from depthmix.pretrain.state import RUN_ID_FILE
 
     id_file = os.path.join(os.path.dirname(job.checkpoint), RUN_ID_FILE)
     group = open(id_file).read().strip() if os.path.isfile(id_file) else None
