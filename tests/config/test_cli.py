@@ -104,12 +104,14 @@ def no_model(monkeypatch, tmp_path):
 
 
 def run_main(monkeypatch, args) -> int:
+    """The exit status: returned, or raised from inside Hydra's job."""
     from depthmix.cli.train import main
 
     monkeypatch.setattr(sys, "argv", ["depthmix-train", "logger=none", *args])
-    with pytest.raises(SystemExit) as info:
-        main()
-    return info.value.code
+    try:
+        return main()
+    except SystemExit as e:
+        return e.code
 
 
 @pytest.mark.parametrize("overrides, option, suggestion, path", BAD_OPTIONS,
@@ -153,8 +155,7 @@ import json, sys
 from depthmix.cli.train import main
 sys.argv = ["depthmix-train", *sys.argv[1:]]
 try:
-    main()
-    code = 0
+    code = main()
 except SystemExit as e:
     code = e.code
 print(json.dumps({"code": code, "megatron": any(m.split(".")[0] == "megatron"
@@ -182,7 +183,7 @@ def test_help_dry_run_and_preprocess_do_not_import_megatron(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=REPO)
     preprocess = subprocess.run(
-        [sys.executable, "-c", "import sys; from depthmix.data.preprocess import main\n"
+        [sys.executable, "-c", "import sys; from depthmix.cli.preprocess import main\n"
          "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
          "print('megatron' in sys.modules)"], env=env, capture_output=True, text=True,
         timeout=120)
