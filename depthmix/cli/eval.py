@@ -50,8 +50,9 @@ def evaluate(cfg: DictConfig) -> None:
             destroy_distributed()
 
 
-hydra_main = hydra.main(config_path="../configs", config_name="evaluate",
-                        version_base=None)(HydraTask(evaluate))
+job = HydraTask(evaluate)
+"""What Hydra runs per job (and a submitit job unpickles)."""
+hydra_main = hydra.main(config_path="../configs", config_name="evaluate", version_base=None)(job)
 
 
 def help_text() -> str:

@@ -82,8 +82,9 @@ def dry_run(run: RunConfig, world_size: Optional[int] = None, out: TextIO = sys.
     return exit_codes.OK
 
 
-hydra_main = hydra.main(config_path="../configs", config_name="config",
-                        version_base=None)(HydraTask(train))
+job = HydraTask(train)
+"""What Hydra runs per job (and a submitit job unpickles)."""
+hydra_main = hydra.main(config_path="../configs", config_name="config", version_base=None)(job)
 
 
 def _nonzero_rank_overrides() -> list:

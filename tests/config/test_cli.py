@@ -217,3 +217,25 @@ def test_multirun_dry_run_checks_every_point(tmp_path):
                                   "larger than the number of sublayers"), proc.stdout
     assert len(verdicts) == 3 and proc.returncode == 2
     assert not os.path.exists(tmp_path / "multirun"), "a dry run launches no jobs"
+
+
+UNPICKLE = """
+import pickle, sys
+from omegaconf import OmegaConf
+task = pickle.load(open(sys.argv[1], "rb"))
+print(task.__module__, OmegaConf.has_resolver("dm.run_key"), OmegaConf.has_resolver("dm.named"))
+"""
+
+
+def test_a_submitit_job_registers_the_resolvers_as_it_unpickles_the_task(tmp_path):
+    """Hydra's SLURM launcher (submitit) cloudpickles the task into each job, which resolves
+    its output directory (``${dm.run_key:}``) before the task runs: nothing registers the
+    resolvers at import, so unpickling the task must."""
+    path = tmp_path / "task.pkl"
+    subprocess.run([sys.executable, "-c", "import cloudpickle, sys\n"
+                    "from depthmix.cli.train import job\n"
+                    "open(sys.argv[1], 'wb').write(cloudpickle.dumps(job))", str(path)],
+                   check=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    job = subprocess.run([sys.executable, "-c", UNPICKLE, str(path)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert job.stdout.split() == ["depthmix.cli.train", "True", "True"], job.stderr[-2000:]
