@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence
 from depthmix import runtime
 from depthmix.cli.command import argument_parser, command
 from depthmix.config.schema import ConfigError
+from depthmix.runtime import exit_codes
 from depthmix.runtime.log import quiet_libraries
 
 PROG = "depthmix-generate"
@@ -205,7 +206,7 @@ def run(args) -> int:
                  eos, loaded.vocab_size, generators, top_p=args.top_p, attention_mask=mask,
                  on_token=on_token)
         printer.finish(start + len(batch))
-    return 0
+    return exit_codes.OK
 
 
 @command(input_errors=(OSError, ValueError), prog=PROG)

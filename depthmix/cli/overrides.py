@@ -351,7 +351,8 @@ def dry_run_points(points: Sequence[Point]) -> int:
             continue
         status = max(status, dry_run_verdict(run, point.label))
     print(f"dry run: {len(points)} points, "
-          f"{'all OK' if status == 0 else 'some cannot run (exit 2)'}", flush=True)
+          f"{'all OK' if status == exit_codes.OK else f'some cannot run (exit {status})'}",
+          flush=True)
     return status
 
 

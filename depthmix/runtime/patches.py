@@ -22,6 +22,7 @@ import threading
 import warnings
 from typing import List
 
+from depthmix.runtime import exit_codes
 from depthmix.runtime.cpu import CpuShim
 
 PR_SET_PDEATHSIG = 1
@@ -121,7 +122,7 @@ class ForkedHelpers:
                     return
                 libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
                 if os.getppid() != _fork["parent"]:  # the parent died before prctl
-                    os._exit(1)
+                    os._exit(exit_codes.CRASH)
 
             os.register_at_fork(before=_before_fork, after_in_child=in_child)
             _fork["registered"] = True
