@@ -1,4 +1,6 @@
-"""Helpers for tests and benchmarks: tiny configs and an in-process single-rank Megatron."""
+"""Helpers for tests and benchmarks: tiny configs, an in-process single-rank Megatron and
+runs in spawned rank processes. Callers install :mod:`depthmix.runtime` first (the test
+harness, ``tests/conftest.py``, does; :func:`spawn`'s ranks do it themselves)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,9 @@ from typing import Optional
 
 import torch
 
-from depthmix.runtime import patches as cpu_compat
+from depthmix import runtime
 from depthmix.config.schema import RunConfig
-from depthmix.runtime.env import free_port  # noqa: F401  (re-exported for tests)
+from depthmix.runtime.env import free_port
 
 
 def init_single_process(seed: int = 1234) -> None:
@@ -18,11 +20,9 @@ def init_single_process(seed: int = 1234) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    cpu_compat.activate()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(seed)
@@ -215,15 +215,17 @@ def spawn(target, world_size: int, args=(), timeout: float = 600.0, env=None) ->
 
 
 def _rank_entry(rank, world_size, port, env, target, args, out_dir) -> None:
+    # a fresh process: its environment is what a launcher (torchrun) would give a rank
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       **env)
     torch.set_num_threads(1)
     from depthmix.pretrain.parallelize import destroy_distributed
 
-    result = target(*args)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    destroy_distributed()
+    with runtime.installed(hold_warnings=False):
+        result = target(*args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        destroy_distributed()
 
 
 def _train_runs(runs: list, steps: int, mode: str) -> list:

@@ -219,7 +219,7 @@ def test_the_docs_hold_the_commands_we_expect():
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.where for c in COMMANDS])
 def test_doc_command_is_valid(command, tmp_path):
     if command.program == "depthmix-preprocess":
-        from depthmix.data.preprocess import build_parser
+        from depthmix.cli.preprocess import build_parser
 
         build_parser().parse_args(command.args)  # argparse exits 2 on a wrong option
         return

@@ -275,8 +275,11 @@ def table(results) -> str:
 
 
 def main(argv=None):
+    from depthmix import runtime
+
     args = parse_args(argv)
-    results = measure(args)
+    with runtime.installed():
+        results = measure(args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device} | torch {torch.__version__} | model={args.model} batch={args.batch} "
           f"prefill={args.prefill} decode={args.decode} {args.precision} impl={args.impl} "

@@ -182,10 +182,11 @@ def _dynamo_counts() -> Counter:
 
 def main():
     args = parse_args()
+    from depthmix import runtime
     from depthmix.runtime import log as run_log
 
-    run_log.startup_warnings.start()  # Megatron's import-time notices: held back, as in training
     run_log.quiet_libraries(verbose=False)
+    runtime.install()  # this process's patches; Megatron's import-time notices held back
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import SyntheticData
 

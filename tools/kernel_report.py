@@ -30,9 +30,9 @@ from typing import Dict, List, Sequence
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, said aloud
 
-from depthmix.runtime.log import startup_warnings  # noqa: E402
+from depthmix import runtime  # noqa: E402
 
-startup_warnings.start()  # Megatron's import-time notices (the bench modules import it)
+runtime.install()  # held back: Megatron's import-time notices (the bench modules import it)
 
 from depthmix import kernels  # noqa: E402
 from depthmix.kernels import gpu_report, roofline  # noqa: E402

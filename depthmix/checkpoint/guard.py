@@ -16,30 +16,22 @@ save, and no helper process outliving the trainer.
   ``dist_checkpointing.save``) its ``.tmp_iter_*`` directory is removed, the previous
   checkpoint and tracker are left as they were and :class:`SaveError` says what ran out;
   training stops with a non-zero status.
-* **No orphans.** Megatron's synchronous save writes through ``fork``-ed writer processes
-  and, on first use, starts a ``multiprocessing`` Manager (a spawned ~400 MB process) only
-  to carry their results back to the same process. We hand it a plain in-process queue
-  instead (no Manager, no resource tracker), and every process forked by the trainer asks
-  the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), so ``kill -9`` of
-  the trainer leaves nothing behind.
+* **No orphans.** :func:`release_all` releases the locks at exit, and no helper process
+  (Megatron's forked checkpoint writers) outlives the trainer: both are process-global
+  patches of :mod:`depthmix.runtime.patches` (``LocksReleasedAtExit``, ``ForkedHelpers``),
+  installed by the entry points.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import ctypes
 import errno
 import json
 import logging
 import os
-import queue
 import shutil
-import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 from typing import Optional
 
@@ -204,53 +196,6 @@ def release_all() -> None:
     _held.clear()
 
 
-atexit.register(release_all)
-
-
-# ---------------------------------------------------------------------------------------
-# Helper processes
-# ---------------------------------------------------------------------------------------
-
-_fork_state = {"installed": False, "parent": None}
-PR_SET_PDEATHSIG = 1
-
-
-def watch_children() -> None:
-    """Every process forked from now on dies with its parent (Linux), and Megatron's save
-    collects its writers' results in this process instead of a Manager process."""
-    _synchronous_results_queue()
-    if _fork_state["installed"] or not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded now: a forked child only calls it
-
-    def before() -> None:
-        # the kernel signals when the forking *thread* ends: only the main thread's forks
-        # (Megatron's writers, data workers) are tied to the process's lifetime
-        main = threading.current_thread() is threading.main_thread()
-        _fork_state["parent"] = os.getpid() if main else None
-
-    def in_child() -> None:
-        if _fork_state["parent"] is None:
-            return
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != _fork_state["parent"]:  # the parent died before prctl
-            os._exit(1)
-
-    os.register_at_fork(before=before, after_in_child=in_child)
-    _fork_state["installed"] = True
-
-
-def _synchronous_results_queue() -> None:
-    """Megatron's ``FileSystemWriterAsync`` sends the writers' results through a queue from
-    a spawned ``multiprocessing`` Manager, made for asynchronous saves where another
-    process finalizes. Our saves are synchronous: producer and consumer are this process,
-    so an in-process queue does the same without the extra process."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", "absent") is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 # ---------------------------------------------------------------------------------------
 # Room for a checkpoint
 # ---------------------------------------------------------------------------------------
@@ -365,7 +310,6 @@ class SaveGuard:
     def start(cls, root: str, *, run, model, topo, step: int) -> "SaveGuard":
         """Collective, at start-up: lock, writability, room for one checkpoint. Raises
         :class:`ConfigError` (naming ``train.save_dir``) on every rank when refused."""
-        watch_children()
         estimate = state_bytes(model, run, topo)
         lock, problem = None, None
         if dist.get_rank() == 0:
@@ -396,7 +340,6 @@ def saving(root: str, step: int, *, keep_last: int, estimate: Optional[int], hea
     rank when it cannot fit); when it raises, its temporary directory is removed and
     :class:`SaveError` says what ran out."""
     tmp = store.tmp_dir(root, step)
-    watch_children()
     problem = None
     if dist.get_rank() == 0:
         try:

@@ -6,7 +6,8 @@
   nor Megatron, so printing help imports neither.
 * The overrides are composed (every point of a multirun) before Hydra starts: a Hydra-level
   error (bad syntax, unknown key, unknown group option, a value of the wrong type) is a
-  :class:`ConfigError` naming the closest valid names, i.e. exit status 2 and one line.
+  :class:`ConfigError` naming the closest valid names, i.e. exit status 2 and one line
+  (:func:`depthmix.cli.command.command`).
 * ``-m ... train.dry_run=true`` checks every point itself (no launcher, no output
   directories) and prints one verdict per point.
 """
@@ -17,12 +18,13 @@ import ast
 import functools
 import inspect
 import os
-import sys
+import textwrap
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import closest
+from depthmix.runtime import exit_codes
 
 APP = "depthmix-train"
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -33,7 +35,6 @@ GROUP_SCHEMAS = {"model": "ModelConfig", "parallel": "ParallelConfig", "data": "
                  "train": "TrainConfig", "logger": "LoggerConfig"}
 """Config groups backed by a dataclass of :mod:`depthmix.config.schema` (``mixer``: per method)."""
 TOP_LEVEL_KEYS = ("output_dir",)
-EXIT_CONFIG_ERROR = 2
 
 
 # ------------------------------------------------------------------------ what exists
@@ -131,8 +132,6 @@ def group_fields(group: str, mixer: Optional[str] = None) -> List[str]:
 
 # ------------------------------------------------------------------------ --help
 def _wrap(text: str, indent: int, width: int = 96) -> str:
-    import textwrap
-
     return textwrap.fill(text, width=width, initial_indent=" " * indent,
                          subsequent_indent=" " * indent)
 
@@ -156,8 +155,7 @@ def help_text() -> str:
         f"  {APP} model=3b parallel=tp2_pp4 train=paper train.dry_run=true parallel.world_size=64",
         "  torchrun --nproc-per-node 8 -m depthmix.cli.train model=3b parallel=tp2_pp4",
         "",
-        "Exit status: 0 done (or stopped by a preemption signal after saving), 2 configuration",
-        "error (one line naming the option), 1 anything else.",
+        *textwrap.wrap(exit_codes.HELP, 96),
         "",
         "Config groups (choose one with group=choice; the default is marked *):",
     ]
@@ -196,15 +194,20 @@ def _values(override) -> List[str]:
     return ["null" if value is None else str(value)]
 
 
-def _chosen_mixer(parsed, compose) -> str:
+def _chosen_mixer(parsed, compose) -> Optional[str]:
+    """The mixer the overrides choose; None when the config does not compose without the
+    ``mixer.*`` overrides either (then the error is elsewhere)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     for o in parsed:
         if o.key_or_group == "mixer" and not o.is_delete():
             return _values(o)[0]
     try:  # e.g. a sweep= preset may choose the mixer: ask the config without mixer.*
         plain = [o.input_line for o in parsed if not o.key_or_group.startswith("mixer.")]
         return str(compose(plain).mixer.name)
-    except Exception:
-        return "vanilla"
+    except (HydraException, OmegaConfBaseException):
+        return None
 
 
 def diagnose(parsed, compose) -> Optional[str]:
@@ -235,6 +238,8 @@ def diagnose(parsed, compose) -> Optional[str]:
             continue
         field = rest.split(".")[0]
         mixer = _chosen_mixer(parsed, compose) if head == "mixer" else None
+        if head == "mixer" and mixer is None:
+            continue  # another override breaks the config: that one is reported
         fields = group_fields(head, mixer)
         if field in fields:
             continue
@@ -308,43 +313,56 @@ def compose_points(overrides: Sequence[str], multirun: bool = False,
         return points
 
 
-def dry_run_points(points: Sequence[Point]) -> int:
-    """Every point of a multirun dry run: one verdict line each; 2 if any fails."""
-    from depthmix.config.load import resolve
+def dry_run_verdict(run, label: str, world_size: Optional[int] = None) -> int:
+    """One line for one point of a multirun dry run: ``[ok] <label>`` or
+    ``[error] <label>: <what to change>``. Returns the exit status of that point."""
     from depthmix.planning import dry_run
     from depthmix.pretrain.preflight import preflight
 
-    status = 0
+    world_size = dry_run.world_size_of(run) if world_size is None else world_size
+    try:
+        preflight(run, world_size)
+    except ConfigError as e:
+        print(f"[error] {label}: {e}", flush=True)
+        return exit_codes.CONFIG_ERROR
+    print(f"[ok] {label} (world size {world_size})", flush=True)
+    return exit_codes.OK
+
+
+def dry_run_points(points: Sequence[Point]) -> int:
+    """Every point of a multirun dry run: one verdict line each; 2 if any fails."""
+    from depthmix.config.load import resolve
+
+    status = exit_codes.OK
     for point in points:
         point.cfg.output_dir = os.getcwd()  # no Hydra job, no output directory
         try:
             run = resolve(point.cfg)
         except ConfigError as e:
             print(f"[error] {point.label}: {e}", flush=True)
-            status = EXIT_CONFIG_ERROR
+            status = exit_codes.CONFIG_ERROR
             continue
-        status = max(status, dry_run.verdict(run, point.label, check=preflight))
+        status = max(status, dry_run_verdict(run, point.label))
     print(f"dry run: {len(points)} points, "
-          f"{'all OK' if status == 0 else 'some cannot run (exit 2)'}", flush=True)
+          f"{'all OK' if status == exit_codes.OK else f'some cannot run (exit {status})'}",
+          flush=True)
     return status
 
 
-def before_hydra(argv: Sequence[str]) -> None:
-    """Print help, refuse bad overrides (exit 2) or run a multirun dry run (exit), else return
-    and let Hydra run."""
+def before_hydra(argv: Sequence[str]) -> Optional[int]:
+    """The exit status when this is all ``depthmix-train`` does: help printed, or a
+    multirun dry run's verdicts; None to let Hydra run. Raises :class:`ConfigError` for
+    overrides Hydra would refuse."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
-        sys.exit(0)
+        return exit_codes.OK
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(list(argv))
     if (args.hydra_help or args.shell_completion or args.config_dir or args.config_path
             or args.experimental_rerun or args.info):
-        return  # Hydra's own modes
-    try:
-        points = compose_points(args.overrides, args.multirun, args.config_name or "config")
-    except ConfigError as e:
-        print(f"configuration error: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_CONFIG_ERROR)
+        return None  # Hydra's own modes
+    points = compose_points(args.overrides, args.multirun, args.config_name or "config")
     if args.multirun and points and all(p.cfg.train.dry_run for p in points):
-        sys.exit(dry_run_points(points))
+        return dry_run_points(points)
+    return None

@@ -6,44 +6,51 @@
     depthmix-train model=tiny run.name=first     # outputs/first; the same command resumes
     depthmix-train model=3b parallel=tp2_pp4 train.dry_run=true parallel.world_size=64
 
-Exit status: 0 when training finished *or* was stopped by a preemption signal after
-saving a checkpoint (re-run the same command / requeue to resume); 2 for a configuration
-error; 3 when training diverged (``train.on_nonfinite=stop`` or
-``train.max_nonfinite_steps`` non-finite steps in a row); 1 for anything else.
+Exit status (:mod:`depthmix.runtime.exit_codes`): 0 when training finished *or* was stopped
+by a preemption signal after saving a checkpoint (re-run the same command / requeue to
+resume); 2 for a configuration error; 3 when training diverged (``train.on_nonfinite=stop``
+or ``train.max_nonfinite_steps`` non-finite steps in a row); 130 for a second Ctrl-C; 1 for
+anything else.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
+from typing import Optional, TextIO
 
-from depthmix.runtime import log as run_log
+import hydra
+from omegaconf import DictConfig
 
-run_log.startup_warnings.start()  # before anything imports Megatron; reported at pre_train
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
+from depthmix import runtime
+from depthmix.cli.command import HydraTask, command
 from depthmix.config.load import resolve
-from depthmix.config.schema import ConfigError
+from depthmix.config.schema import RunConfig
 from depthmix.config.store import register_configs
 from depthmix.runtime import env as launch_env
-
-log = logging.getLogger("depthmix")
-
-launch_env.register_resolvers()  # at import: submitit's jobs unpickle this module
+from depthmix.runtime import exit_codes
+from depthmix.runtime import log as run_log
 
 
-@hydra.main(config_path="../configs", config_name="config", version_base=None)
-def hydra_main(cfg: DictConfig) -> None:
-    try:
-        trainer = _start(cfg)
-    except ConfigError as e:  # the resolved config, the preflight, a checkpoint that does not fit
-        print(f"configuration error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    from depthmix.pretrain.health import EXIT_DIVERGED, TrainingDiverged
+@command
+def train(cfg: DictConfig) -> int:
+    """One run (a Hydra job): the dry run's report, or build, train and close."""
+    run = resolve(cfg)
+    if run.train.dry_run:
+        return dry_run(run)
+    run_log.quiet_libraries(run.train.verbose)  # before Megatron's import-time info lines
+    with runtime.installed():  # holds the libraries' warnings before Megatron is imported
+        return _train(run)
 
+
+def _train(run: RunConfig) -> int:
+    from depthmix.pretrain.callbacks.preemption import mark_clean_exit
+    from depthmix.pretrain.health import TrainingDiverged
+    from depthmix.pretrain.trainer import Trainer, default_callbacks
+
+    launch_env.ensure_distributed_env()  # srun/submitit tasks without torchrun
+    launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
+    trainer = Trainer(run, callbacks=default_callbacks(run))  # restored from its checkpoint
     diverged = None
     try:
         trainer.train()
@@ -57,26 +64,28 @@ def hydra_main(cfg: DictConfig) -> None:
         trainer.close()  # the closing summary (callbacks.RunSummary) says how to resume
     if diverged is not None:
         print(f"[depthmix] {diverged}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_DIVERGED)
-    from depthmix.pretrain.callbacks.preemption import mark_clean_exit
-
+        return exit_codes.DIVERGED
     mark_clean_exit(f"{trainer.stop_reason or 'finished'} at step {trainer.step}")
+    return exit_codes.OK
 
 
-def _start(cfg: DictConfig):
-    """The trainer of this run (restored from its checkpoint), or the dry run's exit."""
-    run = resolve(cfg)
-    if run.train.dry_run:
-        from depthmix.planning import dry_run
-        from depthmix.pretrain.preflight import preflight
+@command
+def dry_run(run: RunConfig, world_size: Optional[int] = None, out: TextIO = sys.stdout) -> int:
+    """``train.dry_run=true``: every start-up check, then the plan
+    (:mod:`depthmix.planning.dry_run`); nothing is built."""
+    from depthmix.planning import dry_run as plan
+    from depthmix.pretrain.preflight import preflight
 
-        sys.exit(dry_run.main(run, check=preflight))
-    run_log.quiet_libraries(run.train.verbose)  # before Megatron's import-time info lines
-    from depthmix.pretrain.trainer import Trainer, default_callbacks  # imports Megatron
+    world_size = plan.world_size_of(run) if world_size is None else world_size
+    preflight(run, world_size)
+    plan.report(run, world_size, out)
+    print(f"dry run OK for world size {world_size}", file=out, flush=True)
+    return exit_codes.OK
 
-    launch_env.ensure_distributed_env()  # srun/submitit tasks without torchrun
-    launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
-    return Trainer(run, callbacks=default_callbacks(run))
+
+job = HydraTask(train)
+"""What Hydra runs per job (and a submitit job unpickles)."""
+hydra_main = hydra.main(config_path="../configs", config_name="config", version_base=None)(job)
 
 
 def _nonzero_rank_overrides() -> list:
@@ -87,15 +96,24 @@ def _nonzero_rank_overrides() -> list:
     return ["hydra.output_subdir=null", "hydra/hydra_logging=none", "hydra/job_logging=console"]
 
 
-def main() -> None:
+@command
+def main() -> Optional[int]:
     from depthmix.cli.overrides import before_hydra
 
-    before_hydra(sys.argv[1:])  # --help, bad overrides (exit 2), multirun dry runs
+    status = before_hydra(sys.argv[1:])  # --help, bad overrides, multirun dry runs
+    if status is not None:
+        return status
     register_configs()
+    launch_env.register_resolvers()
     os.environ.setdefault("DEPTHMIX_RUN_KEY", launch_env.run_key())  # one key for all ranks
     sys.argv.extend(_nonzero_rank_overrides())
-    hydra_main()
+    hydra_main()  # exits with the run's status when it is not 0
+    return exit_codes.OK
 
 
 if __name__ == "__main__":
-    main()
+    # `python -m depthmix.cli.train`: run the importable module, whose task Hydra names the
+    # job after (``train``) and a submitit job can unpickle
+    from depthmix.cli.train import main as importable_main
+
+    sys.exit(importable_main())

@@ -1,4 +1,5 @@
-"""``depthmix-preprocess``: jsonl / jsonl.zst text -> Megatron ``.bin/.idx`` token files.
+"""jsonl / jsonl.zst text -> Megatron ``.bin/.idx`` token files (``depthmix-preprocess``:
+:mod:`depthmix.cli.preprocess`).
 
     depthmix-preprocess --input 'pile/train/*.jsonl.zst' --tokenizer neox.json \\
         --output-prefix /data/pile/pile_train --workers 16
@@ -26,7 +27,6 @@ seconds and whose per-document Python lists cost memory), so it starts quickly.
 
 from __future__ import annotations
 
-import argparse
 import array
 import collections
 import glob
@@ -480,58 +480,3 @@ def preprocess(inputs: Sequence[str], tokenizer: str, output_prefix: str, json_k
             bar.close()
     stats.seconds = time.time() - t0
     return stats
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="depthmix-preprocess",
-        description="Tokenise jsonl / jsonl.zst / jsonl.gz documents into Megatron .bin/.idx "
-                    "files (one document per line, end-of-document token appended).")
-    p.add_argument("--input", "-i", nargs="+", required=True,
-                   help="input files or globs (quote globs), e.g. 'pile/train/*.jsonl.zst'")
-    p.add_argument("--tokenizer", "-t", required=True,
-                   help="a Hugging Face tokenizers JSON file (e.g. the GPT-NeoX tokenizer.json)")
-    p.add_argument("--output-prefix", "-o", required=True,
-                   help="writes PREFIX.bin and PREFIX.idx (use PREFIX in data.prefixes)")
-    p.add_argument("--json-key", default="text", help="the field holding the text (default text)")
-    p.add_argument("--workers", "-j", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                   help="tokeniser processes (default: CPU count - 1)")
-    p.add_argument("--chunk-size", type=int, default=256,
-                   help="documents per work item sent to a worker (default 256)")
-    p.add_argument("--split-by", metavar="KEY.PATH",
-                   help="write one prefix per value of this JSON field (a dotted path, e.g. "
-                        "meta.pile_set_name for the Pile's domains): PREFIX_<value>.bin/.idx "
-                        "and PREFIX.manifest.json listing value -> prefix, documents, tokens")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress display")
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.workers < 1 or args.chunk_size < 1:
-        print("depthmix-preprocess: --workers and --chunk-size must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        stats = preprocess(args.input, args.tokenizer, args.output_prefix, args.json_key,
-                           args.workers, args.chunk_size, progress=not args.no_progress,
-                           split_by=args.split_by)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"depthmix-preprocess: error: {e}", file=sys.stderr)
-        return 1
-    skipped = f" ({stats.empty_skipped} empty documents skipped)" if stats.empty_skipped else ""
-    if stats.manifest is None:
-        print(f"wrote {args.output_prefix}.bin/.idx: {stats.documents:,} documents, "
-              f"{stats.tokens:,} tokens from {stats.files} file(s) in {stats.seconds:.1f} s"
-              + skipped)
-        return 0
-    for s in stats.outputs:
-        print(f"  {s.value:<24} {s.documents:>12,} documents {s.tokens:>16,} tokens  "
-              f"{s.prefix}.bin/.idx")
-    print(f"wrote {len(stats.outputs)} prefixes (one per {args.split_by}) and {stats.manifest}: "
-          f"{stats.documents:,} documents, {stats.tokens:,} tokens from {stats.files} file(s) "
-          f"in {stats.seconds:.1f} s" + skipped)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -326,9 +326,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     --model_args checkpoint=DIR --tasks depth_attn_table1_0shot``."""
     from lm_eval.__main__ import cli_evaluate
 
+    from depthmix import runtime
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--include_path" not in argv and any(a.startswith("--tasks") for a in argv):
         argv += ["--include_path", TASKS_DIR]
     sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
+    with runtime.installed():  # this process's entry point: the CPU shim, ...
+        cli_evaluate()
     return 0

@@ -10,13 +10,14 @@ the command line are assertions about the checkpoint and must agree with it:
 
 Any disagreement refuses the job with one line naming each option. ``train.precision``
 defaults to the checkpoint's and may be changed (e.g. fp32 weights evaluated in bf16);
-``mixer.impl`` (a kernel choice) defaults to ``auto``.
+``mixer.impl`` (a kernel choice) defaults to ``auto``. :func:`run_job` evaluates the job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 from typing import List, Sequence
 
@@ -220,3 +221,37 @@ def compose_job(*overrides: str, world_size: int = 1) -> EvalJob:
         cfg = compose("evaluate", overrides=["output_dir=.", *overrides])
     return prepare(cfg, overrides, world_size)
 
+
+def run_job(job: EvalJob) -> dict:
+    """Evaluate ``job``; collective. Rank 0 writes the JSON, prints the table and logs to
+    W&B; every rank returns the results."""
+    import torch.distributed as dist
+
+    from depthmix.evaluate import report
+    from depthmix.evaluate.perplexity import evaluate_datasets
+
+    start = time.perf_counter()
+    tasks = None
+    if job.eval.tasks:  # first: an unknown task fails before the perplexity pass
+        from depthmix.inference.load import load_model
+
+        ev = job.eval
+        loaded = load_model(job.checkpoint, impl=job.run.mixer.impl, option="eval.checkpoint")
+        tasks = harness()(loaded, list(ev.tasks), ev.num_fewshot, ev.batch_size, ev.limit,
+                          include_path=ev.include_path)
+        del loaded
+    datasets = evaluate_datasets(job) if job.datasets else []
+    results = report.results_dict(job, datasets, tasks, time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        report.write_json(job.output, results)
+        if tasks:
+            from lm_eval.utils import make_table
+
+            print(make_table(tasks), flush=True)
+        if datasets:
+            print(report.table(datasets), flush=True)
+        print(f"results written to {job.output}", flush=True)
+        run_id = report.log_wandb(job, results)
+        if run_id:
+            print(f"W&B run {run_id} ({job.run.logger.mode})", flush=True)
+    return results

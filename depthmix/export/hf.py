@@ -1,4 +1,5 @@
-"""``depthmix-export``: a checkpoint -> a Hugging Face ``transformers`` model directory.
+"""A checkpoint -> a Hugging Face ``transformers`` model directory (``depthmix-export``:
+:mod:`depthmix.cli.export`).
 
 * ``mixer=vanilla`` -> ``Qwen3ForCausalLM`` (``model_type: qwen3``), loaded by
   ``AutoModelForCausalLM.from_pretrained(out)`` with no custom code;
@@ -20,13 +21,11 @@ columns dropped. The directory also holds the tokenizer (``tokenizer.json`` plus
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import shutil
-import sys
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional
 
 import torch
 
@@ -196,38 +195,3 @@ def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({k: v for k, v in special.items() if v is not None}, f, indent=2)
     return out_dir
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="depthmix-export",
-        description="Export a depthmix checkpoint (vanilla or depth_attn, any TP/PP layout) "
-                    "to a Hugging Face transformers model directory.")
-    p.add_argument("checkpoint", help="a save directory (its latest checkpoint) or one iter_* dir")
-    p.add_argument("out_dir", help="directory to write config.json, model.safetensors, "
-                                   "tokenizer files (and remote code for depth_attn)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="weights dtype (default: the training precision)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizers JSON file (default: the one saved with the checkpoint)")
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from depthmix.runtime.log import quiet_libraries, startup_warnings
-
-    startup_warnings.start()  # Megatron's import-time notices: held back, as in training
-    quiet_libraries(verbose=False)
-    try:
-        out = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer)
-    except ConfigError as e:
-        print(f"depthmix-export: {e}", file=sys.stderr)
-        return 2
-    print(f"exported {args.checkpoint} -> {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

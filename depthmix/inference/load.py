@@ -46,21 +46,9 @@ def load_model(path: str, impl: str = "torch", dtype: Optional[torch.dtype] = No
 
     ``impl``: the mixer's kernel choice (``torch``, ``triton`` or ``auto``). ``dtype``: cast
     the weights after loading (default: the training precision). Initialises a world of
-    one process (gloo on CPU) when no process group exists.
+    one process (gloo on CPU) when no process group exists; without CUDA that needs
+    :func:`depthmix.runtime.install` (the entry points and the test harness call it).
     """
-    from depthmix.runtime.log import quiet_libraries, startup_warnings
-
-    # Megatron's import-time notices are library noise here, as in training (held back)
-    startup_warnings.start()
-    quiet_libraries(verbose=False)
-    try:
-        return _load_model(path, impl, dtype, device, option)
-    finally:
-        startup_warnings.stop()
-
-
-def _load_model(path: str, impl: str, dtype: Optional[torch.dtype],
-                device: Optional[torch.device], option: str) -> LoadedModel:
     from depthmix.checkpoint.distributed import load_whole_model
     from depthmix.megatron_ext.config import to_transformer_config
     from depthmix.megatron_ext.model import DepthMixModel

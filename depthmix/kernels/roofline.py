@@ -22,7 +22,7 @@ Peaks and bandwidths (dense, no sparsity) are the device table's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from depthmix.planning.hardware import H100, Device
 

@@ -9,32 +9,26 @@ Nothing is allocated and no process group is created, so it runs on a login node
 
     depthmix-train model=3b parallel=tp2_pp4 train=paper train.dry_run=true parallel.world_size=64
 
-Exit status 0 when the configuration can run at that world size, 2 (with the message
-naming the option) when it cannot. The checks are the caller's ``check`` (the trainer's
-start-up preflight, ``depthmix.pretrain.preflight.preflight``): planning imports nothing
-of the trainer.
+``depthmix-train`` (:func:`depthmix.cli.train.dry_run`, and one verdict line per point of a
+multirun: :func:`depthmix.cli.overrides.dry_run_verdict`) exits 0 when the configuration can
+run at that world size, 2 (with the message naming the option) when it cannot.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Optional, TextIO
+from typing import TextIO
 
 from omegaconf import OmegaConf
 
 from depthmix.config.load import to_container
-from depthmix.config.schema import ConfigError, RunConfig
+from depthmix.config.schema import RunConfig
 from depthmix.config.validate import data_parallel_size
 from depthmix.planning import memory
 from depthmix.planning.flops import flops_per_token, total_params
 from depthmix.planning.shape import Shape
 from depthmix.planning.units import fmt_bytes, human
-
-EXIT_CONFIG_ERROR = 2
-Check = Callable[[RunConfig, int], None]
-"""``(run, world_size)``: raises :class:`ConfigError` naming the option if the run cannot
-start."""
 
 
 def world_size_of(run: RunConfig, env=os.environ) -> int:
@@ -96,31 +90,3 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
 
 def _gib(n: float) -> str:
     return fmt_bytes(n, "GiB")
-
-
-def main(run: RunConfig, world_size: Optional[int] = None, out: TextIO = sys.stdout, *,
-         check: Check) -> int:
-    """Returns the process exit status."""
-    world_size = world_size_of(run) if world_size is None else world_size
-    try:
-        check(run, world_size)
-        report(run, world_size, out)
-    except ConfigError as e:
-        print(f"dry run: configuration error: {e}", file=sys.stderr, flush=True)
-        return EXIT_CONFIG_ERROR
-    print(f"dry run OK for world size {world_size}", file=out, flush=True)
-    return 0
-
-
-def verdict(run: RunConfig, label: str, world_size: Optional[int] = None,
-            out: TextIO = sys.stdout, *, check: Check) -> int:
-    """One line for one point of a multirun dry run: ``[ok] <label>`` or
-    ``[error] <label>: <what to change>``. Returns the exit status of that point."""
-    world_size = world_size_of(run) if world_size is None else world_size
-    try:
-        check(run, world_size)
-    except ConfigError as e:
-        print(f"[error] {label}: {e}", file=out, flush=True)
-        return EXIT_CONFIG_ERROR
-    print(f"[ok] {label} (world size {world_size})", file=out, flush=True)
-    return 0

@@ -1,7 +1,5 @@
-"""``depthmix-overheads``: the Depth-Attention paper's Table 2 for every mixer, from our hooks.
-
-    depthmix-overheads model=3b
-    depthmix-overheads model=1p5b parallel.pp=4 --prefill 131072 --mixers depth_attn,mhc
+"""The Depth-Attention paper's Table 2 for every mixer, from our hooks (``depthmix-overheads``:
+:mod:`depthmix.cli.overheads`).
 
 Per mixer, beyond the vanilla decoder of the same preset: extra forward FLOPs (per layer,
 mean over the unrolled layers, and per token for the whole model, with the share of the
@@ -14,16 +12,12 @@ One source of truth: FLOPs come from each mixer's ``extra_flops_per_token`` hook
 training accounting's MFU uses the same), I/O from ``extra_io_per_token``, state from
 ``extra_state_per_token`` (or, for hidden-state methods, the plan), parameters from
 ``extra_params`` and pipeline bytes from the transport geometry the model itself runs.
-Options (``model=...``, ``mixer.<option>`` for a single mixer, ``parallel.pp=...``) are
-Hydra overrides of the training config.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List
 
 from depthmix.planning.flops import flops_per_token, mixer_of
 from depthmix.planning.pipeline import PipelineLayout, geometry_of
@@ -88,43 +82,3 @@ def table(rows: List[Overheads], prefill: int) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in (head, *body)]
     return "\n".join(lines)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="depthmix-overheads", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=3b parallel.pp=4")
-    parser.add_argument("--mixers", default="all", help="comma-separated (default: every mixer)")
-    parser.add_argument("--prefill", type=int, default=131072,
-                        help="prefill length for the state column (default 128K tokens)")
-    parser.add_argument("--bytes", type=int, default=2, dest="element_size",
-                        help="bytes per activation element (default 2: fp16/bf16)")
-    args = parser.parse_args(argv)
-
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from depthmix.config.load import compose_run
-    from depthmix.config.schema import ConfigError
-    from depthmix.mixers import available
-
-    names = available() if args.mixers == "all" else args.mixers.split(",")
-    overrides = list(args.overrides)
-    if not any(o.startswith(("parallel.pp=", "parallel=")) for o in overrides):
-        overrides.append("parallel.pp=4")
-    try:
-        rows = [overheads(compose_run(*overrides, f"mixer={name}"), args.prefill,
-                          args.element_size) for name in names]
-    except (ConfigError, HydraException, OmegaConfBaseException) as e:
-        print(f"depthmix-overheads: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 2
-    model = next((o for o in overrides if o.startswith("model=")), "model=tiny")
-    print(f"extra cost over the vanilla decoder, {model}, {args.element_size}-byte activations; "
-          f"FLOPs forward (2 per multiply-add); pipeline bytes per micro-batch of one sequence")
-    print(table(rows, args.prefill))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""``depthmix-plan``: which parallel layout should a run use on a given cluster?
+"""Which parallel layout should a run use on a given cluster? (``depthmix-plan``:
+:mod:`depthmix.cli.plan`)
 
     depthmix-plan model=3b mixer=moda cluster.gpus=64 cluster.gpu=h100 cluster.nodes=8
 
@@ -40,7 +41,6 @@ from depthmix.planning import hardware, memory
 from depthmix.planning.flops import flops_per_token
 from depthmix.planning.units import GIB, fmt_bytes
 
-EXIT_NO_FIT = 2
 
 
 @dataclass(frozen=True)
@@ -296,38 +296,3 @@ def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
     w("\nchosen:\n  depthmix-train " + " ".join([*argv, *win.layout.overrides(cluster.gpus)])
       + "\n")
     return win
-
-
-def split_argv(argv: Sequence[str]):
-    """``cluster.*`` overrides -> :class:`Cluster`; the rest compose the run."""
-    cluster, rest = Cluster(), []
-    types = {f.name: f.type for f in dataclasses.fields(Cluster)}
-    for arg in argv:
-        if not arg.startswith("cluster."):
-            rest.append(arg)
-            continue
-        key, _, value = arg[len("cluster."):].partition("=")
-        if key not in types or key == "micro_batch_sizes":
-            raise ConfigError(f"cluster.{key} is unknown; choose from "
-                              f"{sorted(k for k in types if k != 'micro_batch_sizes')}")
-        caster = str if key == "gpu" else (int if key in ("gpus", "nodes") else float)
-        setattr(cluster, key, caster(value) if value not in ("null", "") else None)
-    return cluster, rest
-
-
-def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> int:
-    from depthmix.config.load import compose_run
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        cluster, rest = split_argv(argv)
-        run = compose_run(*rest)
-        report(run, cluster, rest, out=out)
-    except (ConfigError, NoFit) as e:
-        print(f"depthmix-plan: {e}", file=sys.stderr, flush=True)
-        return EXIT_NO_FIT
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

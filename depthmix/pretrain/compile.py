@@ -28,8 +28,6 @@ import torch
 
 from depthmix.config.schema import RunConfig
 
-_layers_compiled = 0
-
 
 def enabled(run: RunConfig) -> bool:
     """``true``, or ``auto`` on CUDA (the start-up checks are
@@ -41,49 +39,29 @@ def enabled(run: RunConfig) -> bool:
 
 
 def compile_layers(chunks: List[torch.nn.Module]) -> int:
-    """Compile every DepthMixLayer of ``chunks`` in place; returns how many."""
+    """Compile every DepthMixLayer of ``chunks`` in place; returns how many.
+
+    Dynamo's limits are raised to what this model needs: each compiled layer may add one
+    body to the shared cache of DepthMixLayer.forward, in two variants (with gradients for
+    training, without for evaluation and recompute's forward); anything beyond is a
+    recompilation bug, which must fail rather than run eager. Dynamo's caches are reset
+    first, so bodies compiled for an earlier model in this process (a multirun's previous
+    job, a test) do not count against this one. (Megatron's default-TP-group warning, which
+    would break the graph, is silenced by :class:`depthmix.runtime.patches.QuietTpGroup`.)"""
     import torch._dynamo
 
     from depthmix.megatron_ext.layer import DepthMixLayer
 
-    global _layers_compiled
-    _quiet_default_tp_group()
     layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, DepthMixLayer)]
-    for layer in layers:
-        layer.compile()
-    # every compiled layer may add one body to the shared cache of DepthMixLayer.forward, in
-    # two variants: with gradients (training) and without (evaluation, recompute's forward);
-    # anything beyond that is a recompilation bug, which must fail rather than run eager
-    _layers_compiled += len(layers)
+    torch._dynamo.reset()
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 2 * _layers_compiled + 1)
+    config.recompile_limit = max(config.recompile_limit, 2 * len(layers) + 1)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
-                                             4 * _layers_compiled)
+                                             4 * len(layers))
     config.fail_on_recompile_limit_hit = True
     # the layer index (ForwardContext.layer) decides a layer's sources: a constant of its
     # body, never a symbolic int (which would break the graph at every f"...{layer}" name)
     config.specialize_int = True
+    for layer in layers:
+        layer.compile()
     return len(layers)
-
-
-def _quiet_default_tp_group() -> None:
-    """Megatron's RowParallelLinear asks for "the default TP group" with a deprecation
-    warning on rank 0 every call; ``warnings.warn`` breaks the compiled graph there. Return
-    the same group without the warning."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import layers
-
-    original = layers.get_tensor_model_parallel_group_if_none
-    if getattr(original, "_depthmix_quiet", False):
-        return
-
-    def tp_group_or_default(tp_group, is_expert=False, check_initialized=True):
-        if tp_group is not None or not parallel_state.is_initialized():
-            return original(tp_group, is_expert, check_initialized)
-        if is_expert:
-            return parallel_state.get_expert_tensor_parallel_group(
-                check_initialized=check_initialized)
-        return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
-
-    tp_group_or_default._depthmix_quiet = True
-    layers.get_tensor_model_parallel_group_if_none = tp_group_or_default

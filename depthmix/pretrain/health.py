@@ -18,7 +18,7 @@ trainer acts on it.
   step.
 * ``train.max_nonfinite_steps`` such steps in a row (a rollback keeps the count until
   training gets past the step that failed) stop the run: :class:`TrainingDiverged`,
-  exit status :data:`EXIT_DIVERGED` from ``depthmix-train``.
+  exit status 3 from ``depthmix-train`` (:data:`depthmix.runtime.exit_codes.DIVERGED`).
 * **Rollback** (the trainer's): reload the newest healthy, intact checkpoint of the save
   directory (weights, optimizer, schedule, RNG) and continue with the data *after* the
   window that led to the failure (the data position is not rewound).
@@ -40,7 +40,6 @@ from depthmix.pretrain.step import OVERFLOW
 
 log = logging.getLogger("depthmix")
 
-EXIT_DIVERGED = 3
 NONFINITE_LOSS = "non-finite loss"
 NONFINITE_GRAD = "non-finite gradient norm"
 SPIKE = "loss spike"

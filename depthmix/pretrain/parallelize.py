@@ -1,8 +1,9 @@
 """Process groups and model construction, applied in one fixed order.
 
-1. ``init_distributed``: the CPU compatibility shim (no-op with CUDA), the default process
-   group (torchrun's environment, or a single local process), Megatron's TP/PP/DP groups,
-   and the model-parallel RNG seeds.
+1. ``init_distributed``: the default process group (the launcher's environment, or a world
+   of one local process), Megatron's TP/PP/DP groups, and the model-parallel RNG seeds.
+   Without CUDA it needs the CPU shim, which the entry points install
+   (:func:`depthmix.runtime.install`).
 2. ``build_model``: one ``DepthMixModel`` per virtual pipeline stage on this rank, sharing a
    depth-state cache -> ``Float16Module`` for bf16/fp16 -> Megatron DDP.
 """
@@ -20,7 +21,6 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
-from depthmix.runtime import patches as cpu_compat
 from depthmix.config.schema import RunConfig
 from depthmix.megatron_ext.model import DepthMixModel
 from depthmix.megatron_ext.transport import DepthStateCache
@@ -53,14 +53,16 @@ class Topology:
 
 def init_distributed(run: RunConfig) -> Topology:
     """Initialise torch.distributed and Megatron's parallel state (idempotent)."""
-    on_cpu = cpu_compat.activate()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # a plain single process: make it a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        if not on_cpu:
+        cuda = torch.cuda.is_available()
+        if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("gloo" if on_cpu else "nccl")
+        backend = "nccl" if cuda else "gloo"
+        if "RANK" in os.environ:  # a launcher's world (torchrun, srun): env:// rendezvous
+            dist.init_process_group(backend)
+        else:  # a plain single process: a world of one
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1)
     p = run.parallel
     if parallel_state.model_parallel_is_initialized() and (
         parallel_state.get_tensor_model_parallel_world_size() != p.tp

@@ -275,14 +275,15 @@ class Trainer:
 
 
 def default_callbacks(run: RunConfig) -> List[Callback]:
-    """Console log line, progress bar, W&B, profiler, checkpoints, closing summary,
-    preemption. Checkpoints come after the loggers: their ``post_step`` saves the state
-    *after* the others acted on the step (anything they draw from an RNG is in the
-    checkpoint). The summary closes after W&B and before preemption, whose ``close`` hands
-    over to submitit after everything else is saved and closed. Logging callbacks act on
-    the loss rank only."""
+    """Console log line, progress bar, depth statistics, W&B, profiler, checkpoints, closing
+    summary, preemption. Checkpoints come after the loggers: their ``post_step`` saves the
+    state *after* the others acted on the step (anything they draw from an RNG is in the
+    checkpoint). Depth statistics come before W&B, which logs them. The summary closes after
+    W&B and before preemption, whose ``close`` hands over to submitit after everything else
+    is saved and closed. Logging callbacks act on the loss rank only."""
     from depthmix.pretrain.callbacks import (
         CheckpointCallback,
+        DepthStatsCallback,
         PreemptionCallback,
         ProfilerCallback,
         ProgressBar,
@@ -293,8 +294,12 @@ def default_callbacks(run: RunConfig) -> List[Callback]:
     callbacks: List[Callback] = [ConsoleLogger()]
     if run.logger.progress:
         callbacks.append(ProgressBar())
-    if run.logger.wandb and run.logger.mode != "disabled" or run.logger.depth_stats_interval:
-        callbacks.append(WandbLogger())
+    wandb_logger = (WandbLogger() if run.logger.wandb and run.logger.mode != "disabled"
+                    else None)
+    if run.logger.depth_stats_interval:
+        callbacks.append(DepthStatsCallback(consumers=[wandb_logger] if wandb_logger else []))
+    if wandb_logger:
+        callbacks.append(wandb_logger)
     if run.train.profile_steps:
         callbacks.append(ProfilerCallback())
     callbacks.append(CheckpointCallback())

@@ -21,6 +21,8 @@ import socket
 import subprocess
 from typing import Mapping, Optional
 
+import psutil
+
 RESOLVER = "dm.run_key"
 NAMED = "dm.named"
 TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"
@@ -34,10 +36,8 @@ def _stamp(seconds: Optional[float] = None) -> str:
 def _agent_start_time() -> Optional[float]:
     """Start time of the torchrun agent that spawned this rank (same for all its ranks)."""
     try:
-        import psutil
-
         return psutil.Process(os.getppid()).create_time()
-    except Exception:
+    except psutil.Error:  # the agent is gone, or not ours to read
         return None
 
 
@@ -135,7 +135,10 @@ def ensure_distributed_env(env=os.environ) -> bool:
 
 
 def quiet_nonzero_rank_logging(rank: int) -> None:
-    """Ranks other than 0: warnings and errors only, and no log file of their own."""
+    """Ranks other than 0: warnings and errors only, and no log file of their own; console
+    lines (:func:`depthmix.runtime.log.say`) still show (the loss rank may be one of them)."""
+    from depthmix.runtime.log import CONSOLE
+
     if rank == 0:
         return
     root = logging.getLogger()
@@ -145,6 +148,7 @@ def quiet_nonzero_rank_logging(rank: int) -> None:
             handler.close()
     root.setLevel(logging.WARNING)
     logging.getLogger("depthmix").setLevel(logging.WARNING)
+    logging.getLogger(CONSOLE).setLevel(logging.INFO)
 
 
 def free_port() -> int:

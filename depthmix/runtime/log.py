@@ -28,7 +28,6 @@ _LIBRARY_FILES = re.compile(r"[\\/](megatron|apex|transformer_engine|torch|wandb
 _FALLBACK = re.compile(r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed")
 
 _bar = None  # the active tqdm bar (ProgressBar sets it)
-logging.getLogger(CONSOLE).setLevel(logging.INFO)  # also on ranks whose "depthmix" is quiet
 
 
 def set_progress_bar(bar) -> None:
@@ -171,5 +170,5 @@ class LibraryWarnings:
 
 
 startup_warnings = LibraryWarnings()
-"""The process's collector: ``depthmix.cli.train`` starts it before anything imports
-Megatron; the console callback reports it once the model is built."""
+"""The process's collector: :func:`depthmix.runtime.install` starts it before anything
+imports Megatron; the console callback reports it once the model is built."""

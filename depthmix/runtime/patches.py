@@ -1,141 +1,159 @@
-"""Run Megatron-Core on machines without CUDA (CPU + gloo).
+"""The process-global changes a depthmix process needs, each one a patch that
+:func:`depthmix.runtime.install` applies and :func:`depthmix.runtime.uninstall` undoes.
 
-Megatron-Core assumes CUDA in a handful of places: it allocates on
-``torch.cuda.current_device()``, saves and restores the CUDA RNG state, creates
-streams and events, and branches on ``Tensor.type()`` strings. When CUDA is absent,
-:func:`activate` redirects exactly those calls to the CPU. On a GPU machine it does
-nothing. This is the only module in depthmix that knows about the CPU case.
+* :class:`HeldLibraryWarnings`: the libraries' start-up warnings are held back and reported
+  as one line (:class:`depthmix.runtime.log.LibraryWarnings`).
+* :class:`~depthmix.runtime.cpu.CpuShim`: Megatron on CPU + gloo (only when CUDA is absent).
+* :class:`QuietTpGroup`: Megatron's default-TP-group lookup without its deprecation warning.
+* :class:`ForkedHelpers`: helper processes die with the trainer; synchronous saves need no
+  ``multiprocessing`` Manager process.
+* :class:`LocksReleasedAtExit`: the save directory's lock is released at exit.
 """
 
 from __future__ import annotations
 
-import contextlib
+import atexit
+import ctypes
+import os
+import queue
+import signal
+import sys
+import threading
+import warnings
+from typing import List
 
-import torch
-from torch.overrides import TorchFunctionMode
+from depthmix.runtime import exit_codes
+from depthmix.runtime.cpu import CpuShim
 
-_ACTIVE = False
-
-
-class _DummyStream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, *args, **kwargs):
-        pass
-
-    def wait_event(self, *args, **kwargs):
-        pass
-
-    def record_event(self, event=None):
-        return event or _DummyEvent()
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+PR_SET_PDEATHSIG = 1
 
 
-class _DummyEvent:
-    def __init__(self, *args, **kwargs):
-        pass
+class HeldLibraryWarnings:
+    """Starts :data:`depthmix.runtime.log.startup_warnings` (the console callback reports
+    it once the model is built); :meth:`undo` restores ``warnings.showwarning`` and
+    ``warnings.filters`` as they were, including the filters the report added."""
 
-    def record(self, *args, **kwargs):
-        pass
+    def __init__(self):
+        self._scope = None
 
-    def wait(self, *args, **kwargs):
-        pass
+    def apply(self) -> None:
+        from depthmix.runtime.log import startup_warnings
 
-    def synchronize(self):
-        pass
+        self._scope = warnings.catch_warnings()
+        self._scope.__enter__()
+        startup_warnings.start()
 
-    def query(self):
-        return True
+    def undo(self) -> None:
+        from depthmix.runtime.log import startup_warnings
 
-    def elapsed_time(self, other):
-        return 0.0
-
-
-def _is_cuda(device) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return isinstance(device, int) and not isinstance(device, bool)
+        startup_warnings.stop(keep_quiet=False)
+        self._scope.__exit__(None, None, None)
+        self._scope = None
 
 
-_CUDA_TYPE_NAMES = {
-    torch.float32: "torch.cuda.FloatTensor",
-    torch.float16: "torch.cuda.HalfTensor",
-    torch.bfloat16: "torch.cuda.BFloat16Tensor",
-    torch.float64: "torch.cuda.DoubleTensor",
-}
+class QuietTpGroup:
+    """Megatron's ``RowParallelLinear`` asks for "the default TP group" with a deprecation
+    warning on rank 0 every call, and ``warnings.warn`` breaks a compiled graph there
+    (``train.compile``). The replacement returns the same group without the warning."""
+
+    def __init__(self):
+        self._original = None
+
+    def apply(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import layers
+
+        original = self._original = layers.get_tensor_model_parallel_group_if_none
+
+        def tp_group_or_default(tp_group, is_expert=False, check_initialized=True):
+            if tp_group is not None or not parallel_state.is_initialized():
+                return original(tp_group, is_expert, check_initialized)
+            if is_expert:
+                return parallel_state.get_expert_tensor_parallel_group(
+                    check_initialized=check_initialized)
+            return parallel_state.get_tensor_model_parallel_group(
+                check_initialized=check_initialized)
+
+        layers.get_tensor_model_parallel_group_if_none = tp_group_or_default
+
+    def undo(self) -> None:
+        from megatron.core.tensor_parallel import layers
+
+        layers.get_tensor_model_parallel_group_if_none = self._original
 
 
-class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites ``device='cuda'`` (or a CUDA ordinal) to the CPU in every torch call."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
-            if name is not None:
-                return name
-        if "device" in kwargs and _is_cuda(kwargs["device"]):
-            kwargs["device"] = torch.device("cpu")
-        if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda(args[1]):
-            args = (args[0], torch.device("cpu"), *args[2:])
-        return func(*args, **kwargs)
+# os.register_at_fork cannot be undone: the hooks are registered once and act while active
+_fork = {"registered": False, "active": False, "parent": None}
 
 
-def activate() -> bool:
-    """Install the CPU redirects if CUDA is unavailable. Idempotent; returns whether active."""
-    global _ACTIVE
-    if _ACTIVE:
-        return True
-    if torch.cuda.is_available():
-        return False
+def _before_fork() -> None:
+    # the kernel signals when the forking *thread* ends: only the main thread's forks
+    # (Megatron's checkpoint writers, data workers) are tied to the process's lifetime
+    main = threading.current_thread() is threading.main_thread()
+    _fork["parent"] = os.getpid() if _fork["active"] and main else None
 
-    cuda = torch.cuda
-    cpu = torch.device("cpu")
-    cuda.current_device = lambda: cpu
-    cuda.synchronize = lambda *a, **k: None
-    cuda.empty_cache = lambda *a, **k: None
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    # Must seed for real: TP ranks draw different streams from their tracker seeds.
-    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed already seeded the CPU
-    cuda.Stream = _DummyStream
-    cuda.Event = _DummyEvent
-    cuda.current_stream = lambda *a, **k: _DummyStream()
-    cuda.default_stream = lambda *a, **k: _DummyStream()
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cuda.memory_allocated = lambda *a, **k: 0
-    cuda.max_memory_allocated = lambda *a, **k: 0
-    cuda.reset_peak_memory_stats = lambda *a, **k: None
-    cuda.device_count = lambda: 0
 
-    from megatron.core.tensor_parallel import random as mcore_random
+class ForkedHelpers:
+    """No helper process outlives the trainer.
 
-    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    Megatron's synchronous save writes through ``fork``-ed writer processes and, on first
+    use, starts a ``multiprocessing`` Manager (a spawned ~400 MB process) only to carry their
+    results back to this same process: it gets a plain in-process queue instead (its
+    ``FileSystemWriterAsync`` queue is made for asynchronous saves, where another process
+    finalizes). And every process forked from the main thread asks the kernel for SIGKILL
+    when its parent dies (Linux ``PR_SET_PDEATHSIG``), so ``kill -9`` of the trainer leaves
+    nothing behind."""
 
-    # Megatron's RNG tracker forks the "CUDA" generator, which is the CPU one here.
-    import logging
+    def __init__(self):
+        self._queue = None
 
-    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
-        lambda record: "CPU RNG state changed" not in record.getMessage()
-    )
-    _CudaToCpuMode().__enter__()
-    _ACTIVE = True
-    return True
+    def apply(self) -> None:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        if getattr(filesystem_async, "_results_queue", "absent") is None:
+            self._queue = filesystem_async._results_queue = queue.Queue()
+        if not sys.platform.startswith("linux"):
+            return
+        if not _fork["registered"]:
+            libc = ctypes.CDLL(None, use_errno=True)  # loaded now: a forked child only calls it
+
+            def in_child() -> None:
+                if _fork["parent"] is None:
+                    return
+                libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                if os.getppid() != _fork["parent"]:  # the parent died before prctl
+                    os._exit(exit_codes.CRASH)
+
+            os.register_at_fork(before=_before_fork, after_in_child=in_child)
+            _fork["registered"] = True
+        _fork["active"] = True
+
+    def undo(self) -> None:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        _fork["active"] = False
+        if self._queue is not None and filesystem_async._results_queue is self._queue:
+            filesystem_async._results_queue = None
+        self._queue = None
+
+
+class LocksReleasedAtExit:
+    """The save-directory locks this process holds are released at exit (an abort too);
+    :meth:`undo` releases them now."""
+
+    def apply(self) -> None:
+        from depthmix.checkpoint.guard import release_all
+
+        atexit.register(release_all)
+
+    def undo(self) -> None:
+        from depthmix.checkpoint.guard import release_all
+
+        release_all()
+        atexit.unregister(release_all)
+
+
+def every_patch(hold_warnings: bool = True) -> List:
+    """In the order they are applied (the warnings are held before Megatron is imported)."""
+    patches = [HeldLibraryWarnings()] if hold_warnings else []
+    return [*patches, CpuShim(), QuietTpGroup(), ForkedHelpers(), LocksReleasedAtExit()]

@@ -104,12 +104,14 @@ def no_model(monkeypatch, tmp_path):
 
 
 def run_main(monkeypatch, args) -> int:
+    """The exit status: returned, or raised from inside Hydra's job."""
     from depthmix.cli.train import main
 
     monkeypatch.setattr(sys, "argv", ["depthmix-train", "logger=none", *args])
-    with pytest.raises(SystemExit) as info:
-        main()
-    return info.value.code
+    try:
+        return main()
+    except SystemExit as e:
+        return e.code
 
 
 @pytest.mark.parametrize("overrides, option, suggestion, path", BAD_OPTIONS,
@@ -153,8 +155,7 @@ import json, sys
 from depthmix.cli.train import main
 sys.argv = ["depthmix-train", *sys.argv[1:]]
 try:
-    main()
-    code = 0
+    code = main()
 except SystemExit as e:
     code = e.code
 print(json.dumps({"code": code, "megatron": any(m.split(".")[0] == "megatron"
@@ -182,7 +183,7 @@ def test_help_dry_run_and_preprocess_do_not_import_megatron(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=REPO)
     preprocess = subprocess.run(
-        [sys.executable, "-c", "import sys; from depthmix.data.preprocess import main\n"
+        [sys.executable, "-c", "import sys; from depthmix.cli.preprocess import main\n"
          "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
          "print('megatron' in sys.modules)"], env=env, capture_output=True, text=True,
         timeout=120)
@@ -216,3 +217,25 @@ def test_multirun_dry_run_checks_every_point(tmp_path):
                                   "larger than the number of sublayers"), proc.stdout
     assert len(verdicts) == 3 and proc.returncode == 2
     assert not os.path.exists(tmp_path / "multirun"), "a dry run launches no jobs"
+
+
+UNPICKLE = """
+import pickle, sys
+from omegaconf import OmegaConf
+task = pickle.load(open(sys.argv[1], "rb"))
+print(task.__module__, OmegaConf.has_resolver("dm.run_key"), OmegaConf.has_resolver("dm.named"))
+"""
+
+
+def test_a_submitit_job_registers_the_resolvers_as_it_unpickles_the_task(tmp_path):
+    """Hydra's SLURM launcher (submitit) cloudpickles the task into each job, which resolves
+    its output directory (``${dm.run_key:}``) before the task runs: nothing registers the
+    resolvers at import, so unpickling the task must."""
+    path = tmp_path / "task.pkl"
+    subprocess.run([sys.executable, "-c", "import cloudpickle, sys\n"
+                    "from depthmix.cli.train import job\n"
+                    "open(sys.argv[1], 'wb').write(cloudpickle.dumps(job))", str(path)],
+                   check=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    job = subprocess.run([sys.executable, "-c", UNPICKLE, str(path)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert job.stdout.split() == ["depthmix.cli.train", "True", "True"], job.stderr[-2000:]

@@ -5,10 +5,9 @@ import io
 
 import pytest
 
+from depthmix.cli.train import dry_run
 from depthmix.config.load import compose_run
 from depthmix.mixers import available
-from depthmix.planning import dry_run
-from depthmix.pretrain.preflight import preflight
 
 # preset -> (overrides, world size) of a paper-scale run
 PAPER_LAYOUTS = {
@@ -39,7 +38,7 @@ def test_preset_and_mixer_dry_run(preset, mixer):
     overrides, world_size = PAPER_LAYOUTS[preset]
     run = compose_run(f"model={preset}", f"mixer={mixer}", *overrides)
     out = io.StringIO()
-    assert dry_run.main(run, world_size=world_size, out=out, check=preflight) == 0, out.getvalue()
+    assert dry_run(run, world_size=world_size, out=out) == 0, out.getvalue()
     assert f"dry run OK for world size {world_size}" in out.getvalue()
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from depthmix.data import build_data
-from depthmix.testing import free_port
+from depthmix.runtime.env import free_port
 
 
 def _rank_main(rank, world, port, use_group, run, out):

@@ -8,7 +8,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from depthmix.data.corpus import iter_documents
 from depthmix.data.integrity import check_prefix
-from depthmix.data.preprocess import _split_names, main, read_manifest, split_name, token_dtype
+from depthmix.cli.preprocess import main
+from depthmix.data.preprocess import _split_names, read_manifest, split_name, token_dtype
 from depthmix.data.tokenizer import HFTokenizer, train_bpe_tokenizer
 
 TEXTS = list(iter_documents(40, seed=5)) + ["unicode: héllo — 😀", " x ", "last one\n"]

@@ -55,7 +55,7 @@ def datasets_option(tmp: str, names=("a", "b")) -> str:
 
 def _train_then_evaluate(tmp: str) -> dict:
     """One rank of the 4-process group."""
-    from depthmix.evaluate.cli import run_job
+    from depthmix.evaluate.job import run_job
     from depthmix.pretrain.callbacks import CheckpointCallback
     from depthmix.testing import tiny_run
 
@@ -88,7 +88,7 @@ def single(trained):
     """``depthmix-eval`` as one process (TP1), with W&B offline."""
     tmp = trained["tmp"]
     proc = subprocess.run(
-        [PYTHON, "-m", "depthmix.evaluate.cli", f"eval.checkpoint={trained['ckpt']}",
+        [PYTHON, "-m", "depthmix.cli.eval", f"eval.checkpoint={trained['ckpt']}",
          datasets_option(tmp), "eval.batch_size=3", "mixer=depth_attn", "logger=wandb_offline",
          f"logger.dir={tmp}/wandb_eval"],
         cwd=tmp, env=env_for_subprocess(), capture_output=True, text=True, timeout=240)
@@ -211,7 +211,7 @@ def test_bad_datasets_and_layouts_are_refused(trained):
 
 def test_missing_checkpoint_exits_2(tmp_path):
     proc = subprocess.run(
-        [PYTHON, "-m", "depthmix.evaluate.cli", f"eval.checkpoint={tmp_path}/nothing",
+        [PYTHON, "-m", "depthmix.cli.eval", f"eval.checkpoint={tmp_path}/nothing",
          f"eval.datasets={{a: {tmp_path}/a}}"],
         cwd=tmp_path, env=env_for_subprocess(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]

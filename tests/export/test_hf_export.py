@@ -8,7 +8,7 @@ import torch
 
 from depthmix.checkpoint.record import record
 from depthmix.data.tokenizer import HFTokenizer, train_bpe_tokenizer
-from depthmix.export.hf import main as export_main
+from depthmix.cli.export import main as export_main
 from depthmix.inference.generate import generate
 from depthmix.inference.load import load_model
 from depthmix.testing import SyntheticData, spawn, tiny_run

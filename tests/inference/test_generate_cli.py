@@ -19,13 +19,11 @@ def _command(name):
     script = os.path.join(os.path.dirname(sys.executable), name)
     return [script] if os.path.exists(script) else [sys.executable, "-m", {
         "depthmix-train": "depthmix.cli.train",
-        "depthmix-generate": "depthmix.inference.generate"}[name]]
+        "depthmix-generate": "depthmix.cli.generate"}[name]]
 
 
 def _run(args, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_SILENT="true")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -83,7 +81,7 @@ def test_batched_prompts_equal_each_alone(checkpoint, loaded, tmp_path):
 
 
 def test_missing_checkpoint_is_refused_naming_it(capsys, tmp_path):
-    from depthmix.inference.generate import main
+    from depthmix.cli.generate import main
 
     assert main([str(tmp_path / "nowhere"), "-p", "hi"]) == 2
     err = capsys.readouterr().err

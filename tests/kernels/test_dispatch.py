@@ -117,7 +117,9 @@ _WITHOUT_TRITON = """
 import sys
 sys.modules["triton"] = None  # ``import triton`` now fails as if it were not installed
 import torch
+from depthmix import runtime
 from depthmix.testing import build_model, init_single_process, tiny_run
+runtime.install(hold_warnings=False)
 init_single_process()
 for name, options in {mixers!r}:
     run = tiny_run(name, impl="auto", **options)

@@ -120,8 +120,7 @@ def env_for_subprocess(**extra) -> dict:
     env = dict(os.environ)
     env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                WANDB_SILENT="true", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "DEPTHMIX_RUN_KEY", "TORCHELASTIC_RUN_ID"):
+    for key in ("DEPTHMIX_RUN_KEY", "TORCHELASTIC_RUN_ID"):  # each child names its own run
         env.pop(key, None)
     env.update({k: str(v) for k, v in extra.items()})
     return env

@@ -14,6 +14,7 @@ import time
 
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+from depthmix import runtime
 from depthmix.pretrain.trainer import Trainer, default_callbacks
 from depthmix.testing import SyntheticData
 
@@ -39,11 +40,12 @@ def main() -> None:
     run.output_dir = directory
     run.train.save_dir = os.path.join(directory, "checkpoints")
     run.train.save_interval = 2
-    trainer = Trainer(run, data=SyntheticData, callbacks=default_callbacks(run))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    with runtime.installed():  # this process's entry point: helpers die with it, ...
+        trainer = Trainer(run, data=SyntheticData, callbacks=default_callbacks(run))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
 
 
 if __name__ == "__main__":

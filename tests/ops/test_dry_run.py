@@ -5,9 +5,9 @@ import io
 
 import pytest
 
+from depthmix.cli.train import dry_run
 from depthmix.config.load import compose_run
-from depthmix.planning import dry_run
-from depthmix.pretrain.preflight import preflight
+from depthmix.runtime import exit_codes
 
 from cli_runs import base_env
 from ops_harness import run_cli
@@ -32,7 +32,7 @@ def no_model_no_process_group(monkeypatch):
 def test_3b_on_64_gpus(no_model_no_process_group):
     run = compose_run("model=3b", "parallel=tp2_pp4", "train=paper")
     out = io.StringIO()
-    assert dry_run.main(run, world_size=64, out=out, check=preflight) == 0
+    assert dry_run(run, world_size=64, out=out) == 0
     text = out.getvalue()
     assert "hidden_size: 2048" in text  # the resolved config
     assert "world size 64 = tp 2 x pp 4 x dp 8" in text
@@ -50,7 +50,7 @@ def test_3b_on_64_gpus(no_model_no_process_group):
 def test_interleaved_layout(no_model_no_process_group):
     run = compose_run("model=3b", "parallel=tp4_pp4_vp2", "train=paper")
     out = io.StringIO()
-    assert dry_run.main(run, world_size=64, out=out, check=preflight) == 0
+    assert dry_run(run, world_size=64, out=out) == 0
     text = out.getvalue()
     assert "world size 64 = tp 4 x pp 4 x dp 4 (vp 2 virtual stages" in text
     assert ("pp rank 0 (global ranks 0-15): chunk 0: layers 0-5 + embedding; "
@@ -67,8 +67,7 @@ def test_wrong_world_size_is_refused(no_model_no_process_group, capsys, world, m
     run = compose_run("model=3b", "parallel=tp2_pp4", "train=paper", "train.micro_batch_size=3")
     if world == 60:
         run.train.micro_batch_size = 4
-    status = dry_run.main(run, world_size=world, out=io.StringIO(), check=preflight)
-    assert status == dry_run.EXIT_CONFIG_ERROR
+    assert dry_run(run, world_size=world, out=io.StringIO()) == exit_codes.CONFIG_ERROR
     assert message in capsys.readouterr().err
 
 

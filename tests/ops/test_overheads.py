@@ -7,7 +7,8 @@ import pytest
 from depthmix.config.load import compose_run
 from depthmix.mixers import available
 from depthmix.planning import flops as accounting
-from depthmix.planning.overheads import main, overheads
+from depthmix.cli.overheads import main
+from depthmix.planning.overheads import overheads
 
 PREFILL, E = 131072, 2  # tokens, bytes per element
 

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from depthmix.pretrain import depth_stats, heatmap
-
-
+from depthmix.pretrain.callbacks import depth_stats
 from depthmix.runtime import env as launch_env
+
+from png_files import read_png
+
+
 def test_run_key_is_shared_by_the_ranks_of_one_job():
     assert launch_env.run_key({"DEPTHMIX_RUN_KEY": "abc", "SLURM_JOB_ID": "7"}) == "abc"
     assert launch_env.run_key({"SLURM_JOB_ID": "7"}) == "slurm-7"  # the batch step
@@ -74,15 +76,15 @@ def test_nonzero_ranks_are_quiet(tmp_path):
 def test_png_round_trip():
     rng = np.random.default_rng(0)
     rgb = rng.integers(0, 256, (7, 5, 3), dtype=np.uint8)
-    assert np.array_equal(heatmap.read_png(heatmap.png_bytes(rgb)), rgb)
+    assert np.array_equal(read_png(depth_stats.png_bytes(rgb)), rgb)
     grey = rng.integers(0, 256, (3, 9), dtype=np.uint8)
-    assert np.array_equal(heatmap.read_png(heatmap.png_bytes(grey)), grey)
+    assert np.array_equal(read_png(depth_stats.png_bytes(grey)), grey)
     with pytest.raises(ValueError):
-        heatmap.png_bytes(np.zeros((2, 2, 4), dtype=np.uint8))
+        depth_stats.png_bytes(np.zeros((2, 2, 4), dtype=np.uint8))
 
 
 def test_heatmap_colours():
-    image = heatmap.render(np.array([[0.0, 1.0], [np.nan, 0.5]]), cell=4)
+    image = depth_stats.render(np.array([[0.0, 1.0], [np.nan, 0.5]]), cell=4)
     assert image.shape == (8, 8, 3)
     assert tuple(image[0, 0]) == (68, 1, 84)  # minimum: viridis dark purple
     assert tuple(image[0, 4]) == (253, 231, 37)  # maximum: yellow

@@ -10,9 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from depthmix.pretrain.heatmap import read_png
-
 from ops_harness import make_run, spawn, train
+from png_files import read_png
 from wandb_files import read_run, run_dirs
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -40,7 +39,7 @@ def _record_fake_stats():
 
 
 def _worker(tmp: str) -> dict:
-    from depthmix.pretrain.callbacks import CheckpointCallback, WandbLogger
+    from depthmix.pretrain.callbacks import CheckpointCallback, DepthStatsCallback, WandbLogger
 
     _record_fake_stats()
     out = {}
@@ -50,7 +49,10 @@ def _worker(tmp: str) -> dict:
         run.logger.wandb, run.logger.mode, run.logger.depth_stats_interval = True, "offline", 2
         run.train.eval_interval, run.train.eval_iters = 2, 1
         run.train.exit_after_steps = exit_after
-        out[name], out[f"{name}_facts"] = train(run, [WandbLogger(), CheckpointCallback()])
+        wandb_logger = WandbLogger()
+        callbacks = [DepthStatsCallback(consumers=[wandb_logger]), wandb_logger,
+                     CheckpointCallback()]
+        out[name], out[f"{name}_facts"] = train(run, callbacks)
     return out
 
 

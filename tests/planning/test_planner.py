@@ -5,19 +5,21 @@ import io
 
 import pytest
 
+from depthmix.cli.plan import main as plan_main
+from depthmix.cli.train import dry_run
 from depthmix.config.load import compose_run
 from depthmix.planning import flops as acc
-from depthmix.planning import dry_run, planner as plan
-from depthmix.pretrain.preflight import preflight
+from depthmix.planning import planner as plan
+from depthmix.runtime import exit_codes
 
 TINY = ["model=tiny", "train.global_batch_size=8", "train.precision=bf16"]
 
 
 def test_refuses_a_model_that_fits_nowhere_naming_the_shortfall(capsys):
-    status = plan.main(["model=3b", "train=paper", "cluster.gpus=2", "cluster.memory_gib=16"],
+    status = plan_main(["model=3b", "train=paper", "cluster.gpus=2", "cluster.memory_gib=16"],
                        out=io.StringIO())
     err = capsys.readouterr().err
-    assert status == plan.EXIT_NO_FIT
+    assert status == exit_codes.CONFIG_ERROR
     assert "fits on no layout of 2 x H100" in err
     assert "weights+grads+optimizer" in err and "short by" in err
 
@@ -56,7 +58,7 @@ def test_picks_the_layout_a_hand_calculation_says_is_fastest(network_gbs):
 
 def test_printed_overrides_compose_and_pass_the_dry_run():
     out = io.StringIO()
-    assert plan.main([*TINY, "mixer=moda", "cluster.gpus=8"], out=out) == 0
+    assert plan_main([*TINY, "mixer=moda", "cluster.gpus=8"], out=out) == 0
     text = out.getvalue()
     line = text.split("chosen:\n", 1)[1].strip()
     words = line.split()
@@ -64,5 +66,5 @@ def test_printed_overrides_compose_and_pass_the_dry_run():
     run = compose_run(*words[1:])
     assert run.parallel.world_size == 8
     report = io.StringIO()
-    assert dry_run.main(run, out=report, check=preflight) == 0
+    assert dry_run(run, out=report) == 0
     assert "dry run OK for world size 8" in report.getvalue()

@@ -12,13 +12,12 @@ LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss ([0-9.]+)", re.M)
 
 
 def clean_env(**extra) -> dict:
-    """This process's environment without a process group's rendezvous (an in-process test
-    may have set RANK / MASTER_PORT, which a child would otherwise try to reuse)."""
+    """This process's environment without a launcher's run key (pytest may itself run under
+    torchrun or a launch script), so that each child names its own output directory."""
     import os
 
     env = dict(os.environ, **extra)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RUN_ID", "DEPTHMIX_RUN_KEY"):
+    for key in ("TORCHELASTIC_RUN_ID", "DEPTHMIX_RUN_KEY"):
         env.pop(key, None)
     return env
 

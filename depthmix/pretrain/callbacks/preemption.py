@@ -4,8 +4,9 @@ The signal handler only sets a flag. After every step, and after every evaluatio
 all ranks all-reduce it (MAX), so they stop at the same step / eval batch even when the
 signal reached them at different times (or only some of them); the save starts within one
 step or one eval batch of the signal. A second SIGINT (Ctrl-C) aborts at once without
-saving: exit status 130. The trainer then ends the loop, :class:`CheckpointCallback` saves in its
-``post_train`` (put this callback after it) and ``depthmix-train`` returns normally:
+saving (:data:`~depthmix.runtime.exit_codes.INTERRUPTED`). The trainer then ends the loop,
+:class:`CheckpointCallback` saves in its ``post_train`` (put this callback after it) and
+``depthmix-train`` returns normally:
 **exit status 0 with a complete checkpoint of the last finished step**. The SLURM script
 requeues the job when it was the one that forwarded the signal (see
 ``launch/slurm/train.sbatch``); a requeued or re-run job with the same output directory
@@ -28,12 +29,12 @@ import torch
 import torch.distributed as dist
 
 from depthmix.pretrain.callbacks.base import Callback
+from depthmix.runtime import exit_codes
 from depthmix.runtime.log import say
 
 log = logging.getLogger("depthmix")
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-ABORT_STATUS = 130  # 128 + SIGINT, what a shell reports for a process killed by Ctrl-C
 EXIT_DIR_ENV = "DEPTHMIX_EXIT_DIR"
 
 
@@ -54,11 +55,12 @@ class PreemptionCallback(Callback):
     def _handler(self, signum, frame) -> None:
         # print, not log: logging from a signal handler can deadlock on its lock
         if signum == signal.SIGINT and self.received is not None:
-            os.write(2, b"[depthmix] second SIGINT: aborting without saving (exit 130)\n")
-            from depthmix.checkpoint import guard as save_guard
+            os.write(2, f"[depthmix] second SIGINT: aborting without saving (exit "
+                        f"{exit_codes.INTERRUPTED})\n".encode())
+            from depthmix.checkpoint import guard
 
-            save_guard.release_all()  # forked helpers die with us (save_guard)
-            os._exit(ABORT_STATUS)
+            guard.release_all()  # (forked helpers die with us: runtime.patches.ForkedHelpers)
+            os._exit(exit_codes.INTERRUPTED)
         if self.received is None:
             self.received = signum
             again = " (Ctrl-C again aborts without saving)" if signum == signal.SIGINT else ""

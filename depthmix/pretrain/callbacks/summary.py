@@ -17,21 +17,14 @@ import sys
 import time
 from typing import List, Mapping, Optional, Sequence
 
+import psutil
+
 from depthmix.checkpoint.store import latest_checkpoint
 from depthmix.pretrain.callbacks.base import Callback
 from depthmix.runtime.log import say, short_path
 
 # added by depthmix-train itself on ranks other than 0, never typed by the user
 _INTERNAL = ("hydra.output_subdir=", "hydra/hydra_logging=", "hydra/job_logging=")
-
-
-def _process_start() -> float:
-    try:
-        import psutil
-
-        return psutil.Process().create_time()
-    except Exception:
-        return time.time()
 
 
 def _wall(seconds: float) -> str:
@@ -49,10 +42,8 @@ def launch_command(argv: Sequence[str] = sys.argv, env: Mapping[str, str] = os.e
     if "TORCHELASTIC_RUN_ID" in env:
         if parent_cmdline is None:
             try:
-                import psutil
-
                 parent_cmdline = psutil.Process(os.getppid()).cmdline()
-            except Exception:
+            except psutil.Error:  # the agent is gone, or not ours to read
                 parent_cmdline = None
         if parent_cmdline:
             cmd = list(parent_cmdline)
@@ -92,13 +83,10 @@ def resume_command(output_dir: str, command: List[str], multirun: bool = False,
 
 
 def _is_multirun() -> bool:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    except Exception:
-        return False
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 class RunSummary(Callback):
@@ -108,7 +96,7 @@ class RunSummary(Callback):
     before :class:`PreemptionCallback` (whose ``close`` may hand over to submitit)."""
 
     def __init__(self):
-        self.started = _process_start()
+        self.started = psutil.Process().create_time()
         self.eval_loss: Optional[float] = None
         self.error: Optional[BaseException] = None
 

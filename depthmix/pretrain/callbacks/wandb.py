@@ -1,4 +1,4 @@
-"""Weights & Biases from the one rank that sees the loss; depth-weight heatmaps.
+"""Weights & Biases from the one rank that sees the loss.
 
 * ``logger.mode``: ``offline`` (default: files under ``<logger.dir or output_dir>/wandb``,
   upload later with ``wandb sync``), ``online``, or ``disabled``.
@@ -10,11 +10,11 @@
   ``train.log_interval`` steps ``train/{loss,lr,grad_norm,loss_scale,skipped,
   nonfinite_steps,consumed_samples,tokens}``,
   ``perf/{tokens_per_s,tflops_per_device,mfu,step_time_s}``, ``mem/*``; after each
-  evaluation ``val/{loss,ppl}``; every
-  ``logger.depth_stats_interval`` steps the depth statistics (:mod:`depthmix.pretrain.
-  depth_stats`) as heatmaps (``depth/<name>/heatmap``; a ``wandb.Image`` when Pillow is
-  installed, else an HTML panel with the PNG inline), a table and scalars. The PNGs are
-  also written to ``<output_dir>/depth_stats/<name>/step_<k>.png``.
+  evaluation ``val/{loss,ppl}``; the depth statistics a
+  :class:`~depthmix.pretrain.callbacks.depth_stats.DepthStatsCallback` hands over (every
+  ``logger.depth_stats_interval`` steps) as heatmaps (``depth/<name>/heatmap``; a
+  ``wandb.Image`` when Pillow is installed, else an HTML panel with the PNG inline), a
+  table and scalars.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from depthmix.pretrain.callbacks.base import Callback
 from depthmix.runtime.log import say, short_path
 
 log = logging.getLogger("depthmix")
-
-
 
 def _pil_available() -> bool:
     try:
@@ -107,9 +105,6 @@ class WandbLogger(Callback):
     def post_step(self, trainer, result) -> None:
         from depthmix.runtime.device import memory_stats
 
-        lg = trainer.run.logger
-        if lg.depth_stats_interval and trainer.step % lg.depth_stats_interval == 0:
-            self._depth_stats(trainer)  # collective: every rank
         if result.perf is None or self.run is None:  # not a log step
             return
         data = {
@@ -132,27 +127,17 @@ class WandbLogger(Callback):
             self.run.log({"val/loss": result.loss, "val/ppl": math.exp(min(result.loss, 50))},
                          step=trainer.step)
 
-    def _depth_stats(self, trainer) -> None:
-        from depthmix.pretrain import depth_stats, heatmap
-
-        stats = depth_stats.collect(trainer)
-        if not stats:  # other ranks, or a mixer that records nothing (vanilla)
+    def log_depth_stats(self, trainer, stats) -> None:
+        """:class:`~depthmix.pretrain.callbacks.depth_stats.DepthStats` as heatmaps, tables
+        and scalars."""
+        if self.run is None:
             return
-        matrices, scalars = depth_stats.summarise(stats)
-        data = dict(scalars)
-        for name, matrix in matrices.items():
-            image = heatmap.render(matrix)
-            png = heatmap.png_bytes(image)
-            safe = name.replace("/", "_")
-            directory = os.path.join(trainer.run.output_dir, "depth_stats", safe)
-            os.makedirs(directory, exist_ok=True)
-            with open(os.path.join(directory, f"step_{trainer.step:07d}.png"), "wb") as f:
-                f.write(png)
-            if self.run is None:
-                continue
-            import wandb
+        import wandb
 
-            caption = f"{name} at step {trainer.step}: rows = layers, columns = sources"
+        data = dict(stats.scalars)
+        for name, matrix in stats.matrices.items():
+            image, png = stats.images[name], stats.pngs[name]
+            caption = f"{name} at step {stats.step}: rows = layers, columns = sources"
             if _pil_available():
                 data[f"depth/{name}/heatmap"] = wandb.Image(image, caption=caption)
             else:
@@ -165,8 +150,8 @@ class WandbLogger(Callback):
             rows = [[u] + [None if math.isnan(v) else float(v) for v in matrix[u]]
                     for u in range(matrix.shape[0]) if not all(map(math.isnan, matrix[u]))]
             data[f"depth/{name}/table"] = wandb.Table(columns=columns, data=rows)
-        if self.run is not None and data:
-            self.run.log(data, step=trainer.step)
+        if data:
+            self.run.log(data, step=stats.step)
 
     # ---- shutdown -----------------------------------------------------------------------
     def _finish(self, exit_code: int = 0) -> None:

@@ -1,0 +1,42 @@
+"""``depthmix-export``: a checkpoint -> a Hugging Face ``transformers`` model directory
+(:func:`depthmix.export.hf.export`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from depthmix import runtime
+from depthmix.cli.command import argument_parser, command
+from depthmix.export.hf import DTYPES, export
+from depthmix.runtime.log import quiet_libraries
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argument_parser(
+        "depthmix-export", "Export a depthmix checkpoint (vanilla or depth_attn, any TP/PP "
+                           "layout) to a Hugging Face transformers model directory.")
+    p.add_argument("checkpoint", help="a save directory (its latest checkpoint) or one iter_* dir")
+    p.add_argument("out_dir", help="directory to write config.json, model.safetensors, "
+                                   "tokenizer files (and remote code for depth_attn)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="weights dtype (default: the training precision)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizers JSON file (default: the one saved with the checkpoint)")
+    return p
+
+
+@command
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    quiet_libraries(verbose=False)
+    with runtime.installed():  # Megatron's import-time notices: held back, as in training
+        out = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer)
+    print(f"exported {args.checkpoint} -> {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
