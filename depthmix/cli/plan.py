@@ -50,8 +50,9 @@ def help_text() -> str:
 
 
 @command
-def main(argv: Optional[Sequence[str]] = None, out: TextIO = sys.stdout) -> None:
+def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    out = out or sys.stdout
     if "--help" in argv or "-h" in argv:
         print(help_text(), file=out)
         return

@@ -70,9 +70,11 @@ def _train(run: RunConfig) -> int:
 
 
 @command
-def dry_run(run: RunConfig, world_size: Optional[int] = None, out: TextIO = sys.stdout) -> int:
+def dry_run(run: RunConfig, world_size: Optional[int] = None,
+            out: Optional[TextIO] = None) -> int:
     """``train.dry_run=true``: every start-up check, then the plan
     (:mod:`depthmix.planning.dry_run`); nothing is built."""
+    out = out or sys.stdout
     from depthmix.planning import dry_run as plan
     from depthmix.pretrain.preflight import preflight
 
