@@ -1,7 +1,7 @@
 """Facts written once in ``depthmix/`` (read from the source with ``ast``): the head width's
 fallback, the vocabulary padding, the devices' peak FLOP/s, the byte formatter, the
-``.idx`` header and the default save directory each have one home; a second copy fails
-here, naming where it is."""
+``.idx`` header, the default save directory and the exit statuses each have one home; a
+second copy fails here, naming where it is."""
 
 import ast
 import pathlib
@@ -73,6 +73,25 @@ def default_save_dir(node: ast.AST) -> bool:
             and any(isinstance(a, ast.Constant) and a.value == "checkpoints" for a in node.args))
 
 
+EXIT_STATUSES = {1, 2, 3, 130}
+
+
+def exit_status(node: ast.AST) -> bool:
+    """An exit status written as a number: ``sys.exit(2)``, ``os._exit(130)``,
+    ``SystemExit(3)``, or a constant named like one (``EXIT_DIVERGED = 3``)."""
+    if isinstance(node, ast.Call):
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(
+            node.func, "id", "")
+        return name in ("exit", "_exit", "SystemExit") and any(
+            isinstance(a, ast.Constant) and a.value in EXIT_STATUSES for a in node.args)
+    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+        names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        return node.value.value in EXIT_STATUSES | {0} and any(
+            n.isupper() and ("EXIT" in n or n in ("CONFIG_ERROR", "DIVERGED", "INTERRUPTED"))
+            for n in names)
+    return False
+
+
 FACTS: Dict[str, tuple] = {
     # fact: (matcher, the one file that may hold it)
     "head-width fallback": (head_dim_fallback, "config/schema.py"),
@@ -81,6 +100,7 @@ FACTS: Dict[str, tuple] = {
     "byte formatting": (byte_formatting, "planning/units.py"),
     ".idx header": (idx_header, "data/integrity.py"),
     "default save directory": (default_save_dir, "checkpoint/store.py"),
+    "exit statuses": (exit_status, "runtime/exit_codes.py"),
 }
 
 
@@ -124,6 +144,7 @@ def test_the_matchers_see_copies():
         "text = f'{n / 2**30:.2f} GiB'",
         "MAGIC = b'MMIDIDX\\x00\\x00'",
         "path = os.path.join(run.output_dir, 'checkpoints')",
+        "EXIT_CONFIG_ERROR = 2",
     ]))
     for fact, (matcher, _) in FACTS.items():
         assert any(matcher(n) for n in _nodes(copies)), fact
