@@ -100,13 +100,21 @@ def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
+def _inner(chunk):
+    """The module whose state dict a checkpoint holds: under Megatron's DDP wrapper (which
+    training adds), else the chunk itself (lean loading: bare or ``Float16Module``)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
 def sharded_state_dict(model, optimizer, scheduler, topo, position: tuple, is_loading: bool,
                        rng: bool = True, optim_format: str = "dp_reshardable") -> dict:
     """Model chunks, optimizer and scheduler (when ``optimizer`` is given), RNG states and
     the data ``position`` (step, consumed samples) as Megatron sharded tensors/objects."""
     state = {}
     for i, chunk in enumerate(model):
-        state[_model_key(i, len(model))] = chunk.module.sharded_state_dict()
+        state[_model_key(i, len(model))] = _inner(chunk).sharded_state_dict()
     if optimizer is not None:
         metadata = {"distrib_optim_sharding_type": optim_format}
         if is_loading:
@@ -259,7 +267,7 @@ def load(path: str, *, run, model, topo, optimizer=None, scheduler=None,
         try:
             loaded = dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
             for i, chunk in enumerate(model):
-                chunk.module.load_state_dict(loaded[_model_key(i, len(model))], strict=True)
+                _inner(chunk).load_state_dict(loaded[_model_key(i, len(model))], strict=True)
         except (KeyError, RuntimeError, CheckpointingException, CheckpointException) as e:
             raise _weights_do_not_fit(path, meta, run, e) from e
         if load_optimizer:
