@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from depthmix.config.schema import ConfigError, ModelConfig
 from depthmix.hf import architecture
@@ -57,7 +57,10 @@ class ImportJob:
 
     @property
     def checkpoints(self) -> str:
-        return os.path.join(self.out, "checkpoints")
+        """The save directory of a run whose output directory is ``out``."""
+        from depthmix.checkpoint.store import default_save_dir
+
+        return default_save_dir(run_config(self.model, self.precision, self.out))
 
     @property
     def preset(self) -> str:
@@ -72,20 +75,25 @@ def _read_json(path: str, option: str) -> dict:
         raise ConfigError(f"{option}: cannot read {path} ({e})") from None
 
 
-def _weight_files(source: str) -> Dict[str, str]:
-    """Tensor name -> file, from the safetensors index or the single file's header."""
+def _weight_files(source: str) -> Tuple[Dict[str, str], Dict[str, tuple]]:
+    """Tensor name -> its safetensors file, and -> its shape (read from the headers)."""
     from safetensors import safe_open
 
     index = os.path.join(source, WEIGHTS_INDEX)
     if os.path.isfile(index):
         mapping = _read_json(index, "hf_dir")["weight_map"]
-        return {name: os.path.join(source, file) for name, file in mapping.items()}
-    single = os.path.join(source, WEIGHTS)
-    if not os.path.isfile(single):
+        files = {name: os.path.join(source, file) for name, file in mapping.items()}
+    elif os.path.isfile(os.path.join(source, WEIGHTS)):
+        with safe_open(os.path.join(source, WEIGHTS), framework="numpy") as f:
+            files = {name: os.path.join(source, WEIGHTS) for name in f.keys()}
+    else:
         raise ConfigError(f"hf_dir={source} holds no {WEIGHTS} or {WEIGHTS_INDEX} (save the "
                           "model with save_pretrained, which writes safetensors)")
-    with safe_open(single, framework="numpy") as f:
-        return {name: single for name in f.keys()}
+    shapes = {}
+    for file in sorted(set(files.values())):
+        with safe_open(file, framework="numpy") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return files, shapes
 
 
 def prepare(source: str, out: str, name: Optional[str] = None,
@@ -118,8 +126,8 @@ def prepare(source: str, out: str, name: Optional[str] = None,
                           "directory")
     run = run_config(model, precision)
     validate(run)
-    files = _weight_files(source)
-    check_names(files, model)
+    files, shapes = _weight_files(source)
+    check_names(shapes, model)
     tokenizer = _tokenizer(source, tokenizer, model)
     return ImportJob(source=os.path.abspath(source), hf_config=cfg, model=model,
                      precision=precision, weight_files=files, tokenizer=tokenizer,
@@ -139,7 +147,7 @@ def _tokenizer(source: str, given: Optional[str], model: ModelConfig) -> Optiona
     return load_tokenizer(found, f"hf_dir={source}: tokenizer.json", model.vocab_size).path
 
 
-def run_config(model: ModelConfig, precision: str):
+def run_config(model: ModelConfig, precision: str, output_dir: str = "."):
     """A single-rank :class:`RunConfig` of the plain residual model (``mixer=vanilla``)."""
     from depthmix.config.schema import RunConfig
     from depthmix.mixers import get_mixer
@@ -148,6 +156,7 @@ def run_config(model: ModelConfig, precision: str):
     run.mixer = get_mixer("vanilla").config_cls(name="vanilla", impl="torch")  # no kernels
     run.mixer.resolve(run.model)
     run.train.precision = precision
+    run.output_dir = output_dir
     return run
 
 
@@ -207,11 +216,8 @@ def _write_checkpoint(job: ImportJob) -> str:
             raise ConfigError(f"tie_word_embeddings=true in config.json but {HF_OUTPUT} "
                               f"differs from {HF_EMBEDDING}")
         params = dict(model.named_parameters())
-        with torch.no_grad():
+        with torch.no_grad():  # names and shapes were checked by prepare()
             for ours, tensor in from_hf(get, job.model):
-                if params[ours].shape != tensor.shape:
-                    raise ConfigError(f"weight for {ours}: shape {tuple(tensor.shape)}, the "
-                                      f"model from config.json has {tuple(params[ours].shape)}")
                 params[ours].copy_(tensor.to(dtype))
         opened.clear()
         size = sum(p.numel() * p.element_size() for p in params.values())

@@ -3,7 +3,7 @@ what :mod:`depthmix.hf.weights` maps, and the check that a checkpoint holds exac
 
 from __future__ import annotations
 
-from typing import Dict, Iterable
+from typing import Dict, Tuple
 
 from depthmix.config.schema import ConfigError, ModelConfig
 
@@ -31,29 +31,46 @@ def layer_names(model: ModelConfig) -> Dict[str, str]:
     return {**LAYER_NAMES, **(QK_NORM_NAMES if model.qk_layernorm else {})}
 
 
-def hf_names(model: ModelConfig) -> set:
-    """Every tensor name a Hugging Face checkpoint of ``model`` holds."""
-    names = {HF_EMBEDDING, HF_FINAL_NORM} | ({HF_OUTPUT} if not model.tie_embeddings else set())
-    per_layer = list(layer_names(model).values()) + [
-        f"self_attn.{p}_proj.weight" for p in "qkv"] + ["mlp.gate_proj.weight",
-                                                        "mlp.up_proj.weight"]
+def hf_shapes(model: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of ``model`` holds, with its shape."""
+    d, f, hd = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    q, kv = model.num_attention_heads * hd, model.num_query_groups * hd
+    out = {HF_EMBEDDING: (model.vocab_size, d), HF_FINAL_NORM: (d,)}
+    if not model.tie_embeddings:
+        out[HF_OUTPUT] = (model.vocab_size, d)
+    per_layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+                 "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+                 "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+                 "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+                 "mlp.down_proj.weight": (d, f)}
+    if model.qk_layernorm:
+        per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     for i in range(model.num_layers):
-        names.update(f"model.layers.{i}.{n}" for n in per_layer)
-    return names
+        out.update({f"model.layers.{i}.{n}": shape for n, shape in per_layer.items()})
+    return out
 
 
-def check_names(names: Iterable[str], model: ModelConfig) -> None:
-    """Refuse a checkpoint whose tensors are not exactly ``model``'s (a bias, an extra
-    norm, a missing layer), naming the first odd one."""
-    names = {n for n in names if not n.endswith(IGNORED_SUFFIXES)}
-    want = hf_names(model)
-    extra = sorted(names - want - {HF_OUTPUT})
+def check_names(shapes: Dict[str, Tuple[int, ...]], model: ModelConfig) -> None:
+    """Refuse a checkpoint whose tensors (name -> shape) are not exactly ``model``'s (a
+    bias, an extra norm, a missing layer, a shape config.json does not give), naming the
+    first odd one."""
+    names = {n for n in shapes if not n.endswith(IGNORED_SUFFIXES)}
+    want = hf_shapes(model)
+    extra = sorted(names - set(want) - {HF_OUTPUT})
     if extra:
         why = ("biases do not map onto our bias-free layers" if extra[0].endswith(".bias")
                else "no counterpart in our model")
         raise ConfigError(f"weight {extra[0]}: {why}"
                           + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
-    missing = sorted(want - names)
+    missing = sorted(set(want) - names)
     if missing:
         raise ConfigError(f"weight {missing[0]} is missing from the checkpoint"
                           + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for name, shape in want.items():
+        if tuple(shapes[name]) != shape:
+            raise ConfigError(
+                f"weight {name} has shape {tuple(shapes[name])}, config.json gives {shape} "
+                f"(hidden_size={model.hidden_size}, head_dim={model.kv_channels}, "
+                f"num_attention_heads={model.num_attention_heads}, num_key_value_heads="
+                f"{model.num_query_groups}, intermediate_size={model.ffn_hidden_size}, "
+                f"vocab_size={model.vocab_size})")

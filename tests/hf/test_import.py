@@ -145,6 +145,7 @@ REFUSED = {  # config.json change -> the field named
     "sliding": ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
     "qwen2": ({"model_type": "qwen2"}, "model_type=qwen2"),
     "gelu": ({"hidden_act": "gelu"}, "hidden_act=gelu"),
+    "head_dim": ({"head_dim": 32}, "head_dim=32"),  # the weights have 16
 }
 
 
