@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
 from depthmix.checkpoint import guard, integrity, retention, store
@@ -100,13 +101,21 @@ def _model_key(i: int, n: int) -> str:
     return "model" if n == 1 else f"model{i}"
 
 
+def _inner(chunk):
+    """The module whose state dict a checkpoint holds: under Megatron's DDP wrapper (which
+    training adds), else the chunk itself (lean loading: bare or ``Float16Module``)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
 def sharded_state_dict(model, optimizer, scheduler, topo, position: tuple, is_loading: bool,
                        rng: bool = True, optim_format: str = "dp_reshardable") -> dict:
     """Model chunks, optimizer and scheduler (when ``optimizer`` is given), RNG states and
     the data ``position`` (step, consumed samples) as Megatron sharded tensors/objects."""
     state = {}
     for i, chunk in enumerate(model):
-        state[_model_key(i, len(model))] = chunk.module.sharded_state_dict()
+        state[_model_key(i, len(model))] = _inner(chunk).sharded_state_dict()
     if optimizer is not None:
         metadata = {"distrib_optim_sharding_type": optim_format}
         if is_loading:
@@ -254,14 +263,27 @@ def load(path: str, *, run, model, topo, optimizer=None, scheduler=None,
     sharded = sharded_state_dict(model, optimizer if load_optimizer else None, scheduler, topo,
                                  (0, 0), is_loading=True, rng=same_layout and load_optimizer,
                                  optim_format=optim_format)
+    new_mixer = not load_optimizer and _only_the_mixer_differs(meta, run)
     with torch.no_grad():
         strategy = _load_strategy(path, t.ckpt_fully_parallel)
         try:
-            loaded = dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
+            if new_mixer:  # the new mixer's own parameters are not in the checkpoint
+                loaded, _, _ = dist_checkpointing.load(
+                    sharded, path, sharded_strategy=strategy,
+                    strict=StrictHandling.RETURN_UNEXPECTED)
+            else:
+                loaded = dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
+            kept = []
             for i, chunk in enumerate(model):
-                chunk.module.load_state_dict(loaded[_model_key(i, len(model))], strict=True)
+                result = _inner(chunk).load_state_dict(loaded[_model_key(i, len(model))],
+                                                       strict=not new_mixer)
+                kept += result.missing_keys if new_mixer else []
         except (KeyError, RuntimeError, CheckpointingException, CheckpointException) as e:
             raise _weights_do_not_fit(path, meta, run, e) from e
+        if kept:
+            log.info("loaded the weights of %s (mixer=%s): %d tensors it does not have keep "
+                     "their initialisation (%s%s)", path, meta["record"]["mixer"]["name"],
+                     len(kept), ", ".join(kept[:3]), ", ..." if len(kept) > 3 else "")
         if load_optimizer:
             # each param group carries its own peak/floor LR, which the scheduler prefers
             # to its own: keep the config's (else a resume with a new train.lr ignores it)
@@ -296,6 +318,21 @@ def load_whole_model(path: str, model) -> None:
     with torch.no_grad():
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, path)
         model.load_state_dict(loaded["model"], strict=True)
+
+
+WEIGHT_SET_OPTIONS = ("model.num_layers", "model.qk_layernorm", "model.tie_embeddings")
+"""Model options that decide which weights (not only their shapes) the model has."""
+
+
+def _only_the_mixer_differs(meta: dict, run) -> bool:
+    """The checkpoint was saved with other mixer options (another mixer, ShortSWA, ...) and
+    the same set of model weights: a weights-only load may then leave the parameters only
+    this mixer has at their initialisation (any other absent weight is an error)."""
+    if "record" not in meta:
+        return False
+    diffs = mismatches(meta["record"], run)
+    return (any(line.startswith("mixer.") for line in diffs)
+            and not any(line.startswith(WEIGHT_SET_OPTIONS) for line in diffs))
 
 
 def _weights_do_not_fit(path: str, meta: dict, run, error: BaseException) -> ConfigError:

@@ -39,8 +39,11 @@ def record(run: RunConfig) -> Dict[str, Any]:
 
 
 def fingerprint(rec: Dict[str, Any]) -> Dict[str, Any]:
-    """Flat ``option -> value`` of everything that must match to load weights."""
-    out = {f"model.{k}": v for k, v in rec["model"].items() if k not in MODEL_FIELDS_FREE}
+    """Flat ``option -> value`` of everything that must match to load weights. A model
+    option added after the record was written (e.g. ``tie_embeddings``) counts at its
+    default, which is what that checkpoint was saved with."""
+    model = {**dataclasses.asdict(ModelConfig()), **rec["model"]}
+    out = {f"model.{k}": v for k, v in model.items() if k not in MODEL_FIELDS_FREE}
     out.update({f"mixer.{k}": v for k, v in rec["mixer"].items() if k not in MIXER_FIELDS_FREE})
     out["train.precision"] = rec["precision"]
     return out

@@ -320,7 +320,12 @@ def check_record(path: str, run, weights_only: bool, source: str = "train.load_d
     """Refuse (ConfigError naming each differing option) to resume ``path`` into a run it
     was not saved by; with ``weights_only`` the differences are only logged (precision may
     change). ``source``: the option that led to ``path``, for the hint."""
-    rec = (_meta_or_none(path) or {}).get("record")
+    meta = _meta_or_none(path) or {}
+    if meta.get("contents") == "weights" and not weights_only:
+        raise ConfigError(f"checkpoint {path} holds weights only (an imported model: no "
+                          "optimizer state, step or data position): start from it with "
+                          f"train.load_dir={path} train.load_weights_only=true")
+    rec = meta.get("record")
     if rec is None:
         log.warning("checkpoint %s records no model configuration: not checked", path)
         return

@@ -54,6 +54,9 @@ class ModelConfig:
     """``pre`` (default) or ``post`` (post-norm blocks; MoDA reports they suit it)."""
     n_loops: int = 1
     """Looped transformer: the layer stack is applied ``n_loops`` times with shared weights."""
+    tie_embeddings: bool = False
+    """One matrix for the input embedding and the output layer (most small Qwen3 and Llama
+    models; the papers' presets keep them separate)."""
 
     @property
     def kv_channels(self) -> int:

@@ -1,8 +1,9 @@
 """Loss and perplexity of a checkpoint on token datasets, at any TP/PP/VP/DP layout.
 
-The model is built and loaded exactly as training builds and resumes it
-(:func:`~depthmix.pretrain.parallelize.build_model`, :func:`~depthmix.checkpoint.distributed.load`
-with weights only, no optimizer), and each step is the trainer's
+The model chunks are built as training builds them but without the training wrappers
+(:func:`~depthmix.pretrain.parallelize.build_chunks`: no DDP gradient buffers, no optimizer,
+no fp32 main grads) and loaded by :func:`~depthmix.checkpoint.distributed.load` with weights
+only; each step is the trainer's
 :func:`~depthmix.pretrain.step.eval_step` (Megatron's schedule, ``forward_only=True``) over
 the windows of :mod:`depthmix.evaluate.windows`. Losses are token sums reduced over the
 data-parallel ranks in fp64, so the result does not depend on the layout.
@@ -20,7 +21,7 @@ from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.config.schema import RunConfig
 from depthmix.evaluate.windows import microbatches, steps
 from depthmix.checkpoint.distributed import load
-from depthmix.pretrain.parallelize import build_model, init_distributed
+from depthmix.pretrain.parallelize import build_chunks, init_distributed
 from depthmix.pretrain.step import eval_step
 
 log = logging.getLogger("depthmix")
@@ -60,7 +61,8 @@ class Evaluator:
         self.run = run
         self.topo = init_distributed(run)
         self.config = to_transformer_config(run)
-        self.model = build_model(run, self.config, self.topo)
+        self.config.perform_initialization = False  # every weight comes from the checkpoint
+        self.model = build_chunks(run, self.config, self.topo)
         self.meta = load(checkpoint, run=run, model=self.model, topo=self.topo,
                          weights_only=True).meta
 

@@ -1,20 +1,19 @@
 """A checkpoint -> a Hugging Face ``transformers`` model directory (``depthmix-export``:
 :mod:`depthmix.cli.export`).
 
-* ``mixer=vanilla`` -> ``Qwen3ForCausalLM`` (``model_type: qwen3``), loaded by
-  ``AutoModelForCausalLM.from_pretrained(out)`` with no custom code;
+* ``mixer=vanilla`` -> ``Qwen3ForCausalLM`` (``model_type: qwen3``; ``LlamaForCausalLM``
+  with ``model.qk_layernorm=false``), loaded by ``AutoModelForCausalLM.from_pretrained(out)``
+  with no custom code; tied embeddings (``model.tie_embeddings``) stay tied;
 * ``mixer=depth_attn`` (no extra parameters) -> the same weights, ``model_type:
   depthmix_qwen3`` and ``modeling_depthmix_qwen3.py`` beside them, loaded with
   ``trust_remote_code=True`` (``auto_map`` in ``config.json``);
 * any other mixer is refused, naming it, until its modeling code exists.
 
 The checkpoint may have been saved at any TP/PP/VP layout (``load_model`` reshards). Weights
-map from Megatron's names: the fused ``linear_qkv`` (per KV group: its ``G`` query heads,
-then the key, then the value) splits into ``q_proj``/``k_proj``/``v_proj``, the fused SwiGLU
-``linear_fc1`` (gate rows, then up rows) into ``gate_proj``/``up_proj``. The embedding and
-output layer are padded beyond the tokenizer's vocabulary for Megatron; the export keeps the
-real vocabulary (``model.vocab_size`` rows), so the exported logits are ours with the padded
-columns dropped. The directory also holds the tokenizer (``tokenizer.json`` plus
+map from Megatron's names as :mod:`depthmix.hf.weights` says (fused ``linear_qkv`` and SwiGLU
+``linear_fc1`` split; the embedding and output layer keep the real vocabulary,
+``model.vocab_size`` rows, so the exported logits are ours with the padded columns
+dropped). The directory also holds the tokenizer (``tokenizer.json`` plus
 ``tokenizer_config.json`` / ``special_tokens_map.json``) when the checkpoint carries one or
 ``--tokenizer`` names one.
 """
@@ -30,6 +29,8 @@ from typing import Dict, Optional
 import torch
 
 from depthmix.config.schema import ConfigError
+from depthmix.hf import architecture
+from depthmix.hf.weights import to_hf
 
 log = logging.getLogger("depthmix")
 
@@ -49,8 +50,9 @@ def check_exportable(run) -> None:
                           "Hugging Face modeling code yet; export supports it off (0)")
     if m.norm_position != "pre":
         raise ConfigError(f"model.norm_position={m.norm_position}: Qwen3 is pre-norm")
-    if not m.qk_layernorm:
-        raise ConfigError("model.qk_layernorm=false: Qwen3 always normalises queries and keys")
+    if not m.qk_layernorm and mixer.name != "vanilla":
+        raise ConfigError(f"model.qk_layernorm=false: exported as Llama, which has no "
+                          f"modeling code for mixer={mixer.name}")
     if m.n_loops != 1:
         raise ConfigError(f"model.n_loops={m.n_loops}: looped models have no Hugging Face "
                           "modeling code yet")
@@ -61,28 +63,8 @@ def check_exportable(run) -> None:
 
 def hf_config(run, dtype: torch.dtype, special: Dict[str, Optional[int]]) -> dict:
     """``config.json`` for the exported model."""
-    m = run.model
     config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.ffn_hidden_size,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.num_query_groups,
-        "head_dim": m.kv_channels,
-        "hidden_act": "silu",
-        "max_position_embeddings": m.seq_length,
-        "rms_norm_eps": m.norm_epsilon,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rotary_base)},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "initializer_range": m.init_std,
-        "use_cache": True,
+        **architecture.hf_config(run.model),
         "dtype": str(dtype).replace("torch.", ""),
         **special,
     }
@@ -98,43 +80,13 @@ def hf_config(run, dtype: torch.dtype, special: Dict[str, Optional[int]]) -> dic
 
 
 def hf_state_dict(model, run) -> Dict[str, torch.Tensor]:
-    """Our single-rank model's weights under Qwen3's names (every parameter used once)."""
-    m = run.model
+    """Our single-rank model's weights under Hugging Face's names (every parameter used
+    once; :func:`depthmix.hf.weights.to_hf`)."""
     params = {k: v.detach() for k, v in model.named_parameters()}
-    used = set()
-
-    def take(name: str) -> torch.Tensor:
-        used.add(name)
-        return params[name]
-
-    ng, hd = m.num_query_groups, m.kv_channels
-    G = m.num_attention_heads // ng
-    vocab = m.vocab_size
-    out = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight")[:vocab],
-           "model.norm.weight": take("final_layernorm.weight"),
-           "lm_head.weight": take("output_layer.weight")[:vocab]}
-    for i in range(m.num_layers):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        qkv = take(src + "self_attention.linear_qkv.weight").view(ng, G + 2, hd, -1)
-        gate, up = take(src + "mlp.linear_fc1.weight").chunk(2, dim=0)
-        out.update({
-            dst + "input_layernorm.weight": take(src + "input_layernorm.weight"),
-            dst + "self_attn.q_proj.weight": qkv[:, :G].reshape(ng * G * hd, -1),
-            dst + "self_attn.k_proj.weight": qkv[:, G].reshape(ng * hd, -1),
-            dst + "self_attn.v_proj.weight": qkv[:, G + 1].reshape(ng * hd, -1),
-            dst + "self_attn.q_norm.weight": take(src + "self_attention.q_layernorm.weight"),
-            dst + "self_attn.k_norm.weight": take(src + "self_attention.k_layernorm.weight"),
-            dst + "self_attn.o_proj.weight": take(src + "self_attention.linear_proj.weight"),
-            dst + "post_attention_layernorm.weight": take(src + "pre_mlp_layernorm.weight"),
-            dst + "mlp.gate_proj.weight": gate,
-            dst + "mlp.up_proj.weight": up,
-            dst + "mlp.down_proj.weight": take(src + "mlp.linear_fc2.weight"),
-        })
-    left = sorted(set(params) - used)
-    if left:  # a parameter Qwen3 has no place for: exporting would silently drop it
-        raise ConfigError(f"mixer={run.mixer.name}: parameters with no Qwen3 counterpart: "
-                          f"{left[:4]}{' ...' if len(left) > 4 else ''}")
-    return out
+    try:
+        return to_hf(params, run.model)
+    except ConfigError as e:  # e.g. a mixer's own parameters: exporting would drop them
+        raise ConfigError(f"mixer={run.mixer.name}: {e}") from None
 
 
 def _save_tokenizer(path: str, out_dir: str, seq_length: int) -> Dict[str, Optional[int]]:

@@ -1,4 +1,5 @@
-"""A checkpoint -> one whole model in this process (TP=PP=1), for generation, lm-eval and export.
+"""A checkpoint -> one whole model in this process (TP=PP=1), for generation, lm-eval and export:
+the bare ``DepthMixModel``, no training wrapper, no random initialisation before the load.
 
 The checkpoint may have been saved at any TP/PP/VP/DP layout: tensor keys use global
 layer indices and Megatron's distributed checkpointing reshards on load. The model and
@@ -58,7 +59,9 @@ def load_model(path: str, impl: str = "torch", dtype: Optional[torch.dtype] = No
     meta = read_meta(found)
     run = run_from_record(meta["record"], impl=impl)
     init_distributed(run)
-    model = DepthMixModel(to_transformer_config(run))
+    config = to_transformer_config(run)
+    config.perform_initialization = False  # every weight comes from the checkpoint
+    model = DepthMixModel(config)
     if device is not None:
         model.to(device)
     elif torch.cuda.is_available():

@@ -30,6 +30,9 @@ class DepthMixConfig(TransformerConfig, DerivedShape):
     """``pre`` or ``post`` normalisation of the residual blocks."""
     n_loops: int = 1
     """Looped transformer: ``num_layers`` unique layers applied ``n_loops`` times."""
+    tie_embeddings: bool = False
+    """The output layer reads the input embedding's matrix (Megatron's shared embedding and
+    output weights)."""
     init_seed: int = 1234
     """Base seed of the layout-invariant initialisation (see ``model.seeded_init``)."""
 
@@ -40,7 +43,7 @@ def to_transformer_config(run: RunConfig):
     Choices the papers leave open, made here: Qwen3-style layers (RMSNorm, SwiGLU, QK-norm,
     RoPE, no biases, no dropout); every weight initialised N(0, init_std) as in the papers'
     Hugging Face configs ("initializer range"), so output projections are *not* scaled by
-    1/sqrt(2L) as Megatron's default would; untied embeddings.
+    1/sqrt(2L) as Megatron's default would; embeddings untied unless ``model.tie_embeddings``.
     """
     import torch
     import torch.nn.functional as F
@@ -102,5 +105,6 @@ def to_transformer_config(run: RunConfig):
         rotary_base=m.rotary_base,
         norm_position=m.norm_position,
         n_loops=m.n_loops,
+        tie_embeddings=m.tie_embeddings,
         init_seed=t.seed,
     )

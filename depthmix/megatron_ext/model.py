@@ -179,7 +179,7 @@ class DepthMixModel(LanguageModule):
             submodules = mixer.model_spec(config)
         self.pre_process, self.post_process = pre_process, post_process
         self.vp_stage = vp_stage
-        self.share_embeddings_and_output_weights = False
+        self.share_embeddings_and_output_weights = config.tie_embeddings
         self.vocab_size = config.vocab_size
         self.max_sequence_length = config.seq_length
         self.position_embedding_type = "rope"
@@ -219,11 +219,18 @@ class DepthMixModel(LanguageModule):
                 eps=config.layernorm_epsilon,
             )
             with seeded_init(seed + 1):
+                # tied on one stage: no weight of its own; tied across stages: a copy that
+                # setup_embeddings_and_output_layer fills from the first stage's embedding
                 self.output_layer = tensor_parallel.ColumnParallelLinear(
                     config.hidden_size, self.vocab_size, config=config,
                     init_method=config.init_method, bias=False, skip_bias_add=False,
                     gather_output=False, tp_group=self.tp_group,
+                    skip_weight_param_allocation=pre_process and config.tie_embeddings,
                 )
+        if pre_process or post_process:
+            # Megatron's shared embedding/output weights: at PP > 1 the copy is synchronised
+            # over the embedding group here, and its gradient in finalize_model_grads
+            self.setup_embeddings_and_output_layer()
         self.input_tensor = None
         if mixer.bind is not None:
             mixer.bind(self)
@@ -266,7 +273,9 @@ class DepthMixModel(LanguageModule):
         if not self.post_process:
             return self.transport.send(state, microbatch)
         hidden = self.final_layernorm(self.head(state, ctx))
-        logits, _ = self.output_layer(hidden)  # [s, b, vocab/tp]
+        weight = (self.shared_embedding_or_output_weight()
+                  if self.share_embeddings_and_output_weights else None)
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)  # [b, s]

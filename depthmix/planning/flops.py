@@ -183,4 +183,4 @@ def total_params(run: RunConfig, config=None) -> int:
     x = Shape.of(run)
     extra = mixer_of(run).extra_params(config if config is not None else x, 1)
     return (sum(stored_layer_params(x, 1, extra)) + extra.stem + extra.head
-            + 2 * x.vocab_size * x.hidden_size + x.hidden_size)
+            + (1 if x.tie_embeddings else 2) * x.vocab_size * x.hidden_size + x.hidden_size)

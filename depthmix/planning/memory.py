@@ -217,8 +217,10 @@ def estimate(run: RunConfig, world_size: int, config=None) -> List[RankMemory]:
             if first:
                 params += x.vocab_size * x.hidden_size // tp + extra.stem
                 held += 8 * tokens  # token ids
-            if last:
-                params += x.vocab_size * x.hidden_size // tp + x.hidden_size + extra.head
+            if last:  # tied on one stage: the embedding is the output layer
+                own_output = not (first and x.tie_embeddings)
+                params += own_output * x.vocab_size * x.hidden_size // tp + x.hidden_size \
+                    + extra.head
                 head_bytes = (head_bytes_per_token(x, tp, sp, act) + saved.head * act) * tokens
             else:
                 payload = max(payload, geometry.payload_bytes(c + 1, b, act))

@@ -38,6 +38,8 @@ class Shape(DerivedShape):
     qk_layernorm: bool
     sequence_parallel: bool
     tensor_model_parallel_size: int
+    tie_embeddings: bool = False
+    """The output layer reads the embedding's matrix (one copy at PP=1)."""
     mixer: Any = None
     """The run's :class:`~depthmix.mixers.base.MixerConfig`."""
 
@@ -49,7 +51,7 @@ class Shape(DerivedShape):
             num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
             kv_channels=m.kv_channels, seq_length=m.seq_length, vocab_size=m.padded_vocab_size,
             n_loops=m.n_loops, qk_layernorm=m.qk_layernorm, sequence_parallel=p.sequence_parallel,
-            tensor_model_parallel_size=p.tp, mixer=run.mixer,
+            tensor_model_parallel_size=p.tp, tie_embeddings=m.tie_embeddings, mixer=run.mixer,
         )
 
     @property

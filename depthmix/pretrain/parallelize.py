@@ -4,8 +4,9 @@
    of one local process), Megatron's TP/PP/DP groups, and the model-parallel RNG seeds.
    Without CUDA it needs the CPU shim, which the entry points install
    (:func:`depthmix.runtime.install`).
-2. ``build_model``: one ``DepthMixModel`` per virtual pipeline stage on this rank, sharing a
-   depth-state cache -> ``Float16Module`` for bf16/fp16 -> Megatron DDP.
+2. ``build_chunks``: one ``DepthMixModel`` per virtual pipeline stage on this rank, sharing a
+   depth-state cache -> ``Float16Module`` for bf16/fp16; what evaluation runs (no gradient
+   buffers). ``build_model`` (training) wraps them in Megatron DDP.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def build_model(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module]:
-    """Model chunks of this rank, wrapped for mixed precision and data parallelism."""
+def build_chunks(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module]:
+    """Model chunks of this rank, wrapped for mixed precision only: no gradient buffers,
+    for evaluation (and :func:`build_model`)."""
     cache = DepthStateCache()
     chunks = []
     for vp_stage in range(topo.vp):
@@ -117,6 +119,12 @@ def build_model(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module]
         compile_layers(chunks)
     if config.fp16 or config.bf16:
         chunks = [Float16Module(config, m) for m in chunks]
+    return chunks
+
+
+def build_model(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module]:
+    """Model chunks of this rank, wrapped for mixed precision and data parallelism."""
+    chunks = build_chunks(run, config, topo)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=run.parallel.overlap_grad_reduce,

@@ -17,8 +17,9 @@ from depthmix.runtime import exit_codes
 
 # [project.scripts] of pyproject.toml: command -> module
 COMMANDS = {"depthmix-train": "train", "depthmix-eval": "eval", "depthmix-generate": "generate",
-            "depthmix-export": "export", "depthmix-plan": "plan",
-            "depthmix-overheads": "overheads", "depthmix-preprocess": "preprocess"}
+            "depthmix-export": "export", "depthmix-import": "importer",
+            "depthmix-plan": "plan", "depthmix-overheads": "overheads",
+            "depthmix-preprocess": "preprocess"}
 HYDRA = ("train", "eval")  # their main reads sys.argv, as Hydra does
 
 

@@ -1,0 +1,215 @@
+"""depthmix-import on one process: Hugging Face Qwen3 / Llama / tied-embedding models (built
+here from random weights) become checkpoints whose logits, greedy generation and
+``depthmix-eval`` loss are transformers'; import -> export gives the original tensors bit
+for bit; what does not map is refused at once, naming the field. (The other layouts:
+``test_import_layouts.py``.)"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hf_models import KINDS, SEQ, VOCAB, checkpoints, hf_window_loss
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def hf(hf_dirs):
+    """kind -> the transformers model, loaded from its folder (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    return {k: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+            for k, p in hf_dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def ours(imported, megatron_single):
+    from depthmix.inference.load import load_model
+
+    return {k: load_model(checkpoints(out)) for k, out in imported.items()}
+
+
+def ids(batch=2, length=SEQ, seed=0):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_equal_transformers(kind, ours, hf):
+    x = ids()
+    with torch.no_grad():
+        mine, theirs = ours[kind].model(x), hf[kind](x).logits
+    assert mine.shape == theirs.shape == (2, SEQ, VOCAB)  # nothing padded
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+    assert theirs.std() > 1  # logits that differ between tokens, not a constant
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_generation_is_identical(kind, ours, hf):
+    from depthmix.inference.generate import generate
+
+    prompt = ids(2, 5, seed=1)
+    mine = generate(ours[kind].model, prompt, max_new_tokens=8, vocab_size=VOCAB)
+    theirs = hf[kind].generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eval_loss_equals_transformers_over_the_same_windows(kind, imported, hf, dataset,
+                                                             tmp_path, megatron_single):
+    from depthmix.evaluate.job import compose_job, run_job
+
+    job = compose_job(f"eval.checkpoint={checkpoints(imported[kind])}",
+                      f"eval.datasets={{d: {dataset}}}", "eval.batch_size=4",
+                      f"eval.output={tmp_path}/eval.json", "logger=none")
+    result = run_job(job)["datasets"]["d"]
+    loss, tokens = hf_window_loss(hf[kind], dataset)
+    assert result["tokens"] == tokens == 199
+    assert result["loss"] == pytest.approx(loss, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_import_then_export_gives_the_original_tensors(kind, imported, hf_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    from depthmix.cli.export import main as export
+
+    assert export([checkpoints(imported[kind]), str(tmp_path / "hf")]) == 0
+    original = load_file(os.path.join(hf_dirs[kind], "model.safetensors"))
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert config["model_type"] == ("llama" if kind == "llama" else "qwen3")
+    assert config["tie_word_embeddings"] is (kind == "qwen3_tied")
+
+
+def test_the_output_is_a_checkpoint_a_preset_and_the_tokenizer(imported, hf_dirs, tmp_path):
+    """The record, health mark and preset describe the model; the preset composes into the
+    record's model, and the training preflight takes the import with a new mixer."""
+    from depthmix.checkpoint.store import find_checkpoint, read_meta
+    from depthmix.config.load import compose_run
+    from depthmix.data.tokenizer import HFTokenizer
+    from depthmix.pretrain.preflight import preflight
+
+    out = imported["qwen3_tied"]
+    meta = read_meta(find_checkpoint(checkpoints(out)))
+    model = meta["record"]["model"]
+    assert (model["tie_embeddings"], model["qk_layernorm"], model["head_dim"]) == (True, True, 16)
+    assert (model["rotary_base"], model["seq_length"], model["vocab_size"]) == (5e4, SEQ, VOCAB)
+    assert meta["health"]["healthy"] and meta["contents"] == "weights"
+    assert meta["layout"] == {"tp": 1, "pp": 1, "vp": 1, "dp": 1, "distributed_optimizer": False}
+    assert meta["imported_from"]["model_type"] == "qwen3"
+    tok = HFTokenizer(os.path.join(out, "tokenizer", "tokenizer.json"))
+    assert tok.encode("the lazy fox") == HFTokenizer(os.path.join(hf_dirs["qwen3_tied"],
+                                                                  "tokenizer.json")).encode(
+        "the lazy fox")
+
+    given = [f"hydra.searchpath=[file://{out}/configs]", "model=qwen3_tied",
+             f"train.load_dir={checkpoints(out)}", "mixer=attnres_block",
+             f"output_dir={tmp_path}"]
+    run = compose_run(*given, "train.load_weights_only=true")
+    assert json.loads(json.dumps(vars(run.model))) == model
+    preflight(run, 1, data=False)  # a ConfigError on anything that would stop the start
+
+
+def test_a_full_resume_of_an_import_is_refused_naming_the_option(imported):
+    """No optimizer state, step or data position: only a weights-only start."""
+    from depthmix.config.load import compose_run
+    from depthmix.config.schema import ConfigError
+    from depthmix.checkpoint.store import preflight_checkpoint
+
+    out = imported["qwen3"]
+    run = compose_run(f"hydra.searchpath=[file://{out}/configs]", "model=qwen3",
+                      f"train.load_dir={checkpoints(out)}")
+    with pytest.raises(ConfigError, match="train.load_weights_only=true"):
+        preflight_checkpoint(run)
+
+
+# ---------------------------------------------------------------------------------------
+# What does not map, and the command contract
+# ---------------------------------------------------------------------------------------
+
+REFUSED = {  # config.json change -> the field named
+    "rope_scaling": ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    "rope_type": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+                  "rope_parameters.rope_type=yarn"),
+    "attention_bias": ({"attention_bias": True}, "attention_bias=true"),
+    "mlp_bias": ({"mlp_bias": True}, "mlp_bias=true"),
+    "moe": ({"model_type": "qwen3_moe", "num_experts": 8}, "num_experts=8"),
+    "sliding": ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
+    "qwen2": ({"model_type": "qwen2"}, "model_type=qwen2"),
+    "gelu": ({"hidden_act": "gelu"}, "hidden_act=gelu"),
+    "head_dim": ({"head_dim": 32}, "head_dim=32"),  # the weights have 16
+}
+
+
+def _edited(source: str, dest, changes: dict) -> str:
+    os.makedirs(dest)
+    for name in os.listdir(source):
+        os.symlink(os.path.join(source, name), os.path.join(dest, name))
+    os.remove(os.path.join(dest, "config.json"))
+    config = {**json.load(open(os.path.join(source, "config.json"))), **changes}
+    json.dump(config, open(os.path.join(dest, "config.json"), "w"))
+    return str(dest)
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_does_not_map_is_refused_naming_the_field(case, hf_dirs, tmp_path, capsys):
+    from depthmix.cli.importer import main
+
+    changes, field = REFUSED[case]
+    source = _edited(hf_dirs["llama"], tmp_path / "src", changes)
+    assert main([source, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert field in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_bias_tensor_is_refused_naming_it(hf_dirs, tmp_path, capsys):
+    """A checkpoint whose config says nothing of biases but whose weights carry one."""
+    from safetensors.torch import load_file, save_file
+
+    from depthmix.cli.importer import main
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        os.symlink(os.path.join(hf_dirs["qwen3"], name), source / name)
+    weights = load_file(os.path.join(hf_dirs["qwen3"], "model.safetensors"))
+    weights["model.layers.2.self_attn.q_proj.bias"] = torch.zeros(96)
+    save_file(weights, str(source / "model.safetensors"))
+    assert main([str(source), str(tmp_path / "out")]) == 2
+    assert "model.layers.2.self_attn.q_proj.bias" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--seq-lenght", "16"], "--seq-lenght"),
+    (["--precision", "fp8"], "--precision"),
+    ([], "hf_dir=/no/such/model"),
+], ids=["typo", "bad-choice", "missing-path"])
+def test_bad_input_exits_2_at_once_naming_it(args, named, tmp_path):
+    """A fresh process: one line naming the option, no library noise, in under 3 s."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "depthmix.cli.importer", "/no/such/model",
+                           str(tmp_path / "out"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+    assert proc.stdout == "" and "Warning" not in proc.stderr
+    assert seconds < 3, f"{seconds:.1f} s"
+
+
+def test_help_shows_the_defaults(capsys):
+    from depthmix.cli.importer import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: max_position_embeddings" in text and "default: config.json's dtype" in text
