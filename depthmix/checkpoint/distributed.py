@@ -109,6 +109,15 @@ def _inner(chunk):
     return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
 
 
+def _weights_module(chunk):
+    """``_inner(chunk)`` without ``Float16Module``, whose ``load_state_dict`` forwards to its
+    module but returns nothing (the missing keys are needed to log what kept its init)."""
+    from megatron.core.transformer.module import Float16Module
+
+    inner = _inner(chunk)
+    return inner.module if isinstance(inner, Float16Module) else inner
+
+
 def sharded_state_dict(model, optimizer, scheduler, topo, position: tuple, is_loading: bool,
                        rng: bool = True, optim_format: str = "dp_reshardable") -> dict:
     """Model chunks, optimizer and scheduler (when ``optimizer`` is given), RNG states and
@@ -275,8 +284,8 @@ def load(path: str, *, run, model, topo, optimizer=None, scheduler=None,
                 loaded = dist_checkpointing.load(sharded, path, sharded_strategy=strategy)
             kept = []
             for i, chunk in enumerate(model):
-                result = _inner(chunk).load_state_dict(loaded[_model_key(i, len(model))],
-                                                       strict=not new_mixer)
+                result = _weights_module(chunk).load_state_dict(
+                    loaded[_model_key(i, len(model))], strict=not new_mixer)
                 kept += result.missing_keys if new_mixer else []
         except (KeyError, RuntimeError, CheckpointingException, CheckpointException) as e:
             raise _weights_do_not_fit(path, meta, run, e) from e
