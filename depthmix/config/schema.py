@@ -86,10 +86,22 @@ class ParallelConfig:
     """Megatron sequence parallelism (needs ``tp > 1``)."""
     distributed_optimizer: bool = False
     """Shard optimizer state over the data-parallel ranks (ZeRO-1)."""
-    overlap_grad_reduce: bool = False
-    """Overlap the data-parallel gradient reduction with the backward pass."""
-    overlap_param_gather: bool = False
-    """Overlap the distributed optimizer's parameter all-gather with the forward pass."""
+    overlap_grad_reduce: Optional[bool] = None
+    """Overlap the data-parallel gradient reduction with the backward pass (bucket by
+    bucket, as Megatron-LM's ``--overlap-grad-reduce``). None: on when the data-parallel
+    size is above 1 (docs/operations.md, "Overlapped data-parallel communication")."""
+    overlap_param_gather: Optional[bool] = None
+    """Overlap the distributed optimizer's parameter all-gather with the next forward pass
+    (needs ``distributed_optimizer`` and ``overlap_grad_reduce``). None: on when both are."""
+    align_grad_reduce: bool = True
+    """With pipeline parallelism: every stage launches its gradient reduction from the
+    schedule (Megatron-LM's default); false: each stage as soon as its backward is done."""
+    align_param_gather: bool = False
+    """With pipeline parallelism: the schedule launches each chunk's parameter all-gather
+    (Megatron-LM's ``--align-param-gather``); false: the first forward pre-hook does."""
+    ddp_bucket_size: Optional[int] = None
+    """Parameters per gradient-reduction bucket when overlapping; None: Megatron's default,
+    max(40M, 1M x data-parallel size)."""
     recompute: str = "none"
     """``none`` or ``full`` (every layer re-runs in backward, depth mixing included)."""
     world_size: Optional[int] = None

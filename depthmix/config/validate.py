@@ -174,6 +174,13 @@ def validate_parallel(run: RunConfig) -> None:
     _require(m.n_loops == 1 or p.pp == 1,
              f"model.n_loops={m.n_loops} (looped transformer, shared weights) needs "
              f"parallel.pp=1 (got {p.pp})")
+    if p.ddp_bucket_size is not None:
+        _at_least("parallel.ddp_bucket_size", p.ddp_bucket_size, 1)
+    if p.overlap_param_gather:
+        _require(p.distributed_optimizer, "parallel.overlap_param_gather=true needs "
+                 "parallel.distributed_optimizer=true (only its shards are gathered)")
+        _require(p.overlap_grad_reduce is not False, "parallel.overlap_param_gather=true "
+                 "needs parallel.overlap_grad_reduce (true or null)")
     if p.sequence_parallel:
         _require(p.tp > 1, "parallel.sequence_parallel=true needs parallel.tp > 1")
         _require(m.seq_length % p.tp == 0,

@@ -6,7 +6,8 @@
    (:func:`depthmix.runtime.install`).
 2. ``build_chunks``: one ``DepthMixModel`` per virtual pipeline stage on this rank, sharing a
    depth-state cache -> ``Float16Module`` for bf16/fp16; what evaluation runs (no gradient
-   buffers). ``build_model`` (training) wraps them in Megatron DDP.
+   buffers). ``build_model`` (training) wraps them in Megatron DDP (buckets and overlapped
+   communication: :mod:`depthmix.pretrain.overlap`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from typing import List
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
 from depthmix.config.schema import RunConfig
 from depthmix.megatron_ext.model import DepthMixModel
 from depthmix.megatron_ext.transport import DepthStateCache
+from depthmix.pretrain import overlap
 from depthmix.pretrain.compile import compile_layers
 from depthmix.pretrain.compile import enabled as compile_enabled
 from depthmix.runtime.env import free_port
@@ -125,14 +127,7 @@ def build_chunks(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module
 def build_model(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module]:
     """Model chunks of this rank, wrapped for mixed precision and data parallelism."""
     chunks = build_chunks(run, config, topo)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=run.parallel.overlap_grad_reduce,
-        overlap_param_gather=run.parallel.overlap_param_gather,
-        use_distributed_optimizer=run.parallel.distributed_optimizer,
-        check_for_nan_in_grad=False,
-        bucket_size=None,
-    )
+    ddp_config = overlap.ddp_config(run.parallel, topo.dp)
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,
                                 disable_bucketing=i > 0)

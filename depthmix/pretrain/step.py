@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from depthmix.planning.flops import Throughput
+from depthmix.pretrain import overlap
 from depthmix.pretrain.parallelize import unwrap
 
 Batch = Dict[str, torch.Tensor]
@@ -145,6 +146,7 @@ def train_step(model, optimizer, scheduler, microbatches: List[Batch], seq_lengt
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    overlap.force_all_reduce(model, force_all_reduce)
     losses = run_schedule(model, microbatches, seq_length, forward_only=False,
                           force_all_reduce=force_all_reduce)
     if after_backward is not None:

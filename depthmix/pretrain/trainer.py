@@ -15,6 +15,7 @@ from depthmix.checkpoint import distributed, store
 from depthmix.config.schema import RunConfig
 from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.planning.flops import ThroughputMeter
+from depthmix.pretrain import overlap
 from depthmix.pretrain.callbacks import Callback, ConsoleLogger
 from depthmix.pretrain.health import Action, HealthGuard, TrainingDiverged, Verdict
 from depthmix.pretrain.optim import build_optimizer
@@ -42,6 +43,7 @@ class Trainer:
         preflight(run, world_size, data=data is None)
         self.run = run
         self.topo = init_distributed(run)
+        overlap.resolve(run.parallel, self.topo.dp)
         self.health = HealthGuard(run.train, logging_rank=self.topo.is_logging_rank)
         self._agree_on_output_dir()
         # Python/NumPy generators as Megatron-LM seeds them (torch's: init_distributed)
@@ -94,9 +96,7 @@ class Trainer:
 
     def _wire_megatron_hooks(self) -> None:
         config = self.config
-        if self.run.parallel.overlap_grad_reduce:
-            sync = [chunk.no_sync for chunk in self.model]
-            config.no_sync_func = sync[0] if len(sync) == 1 else sync
+        overlap.wire(config, self.model, self.run.parallel, self.topo.dp)
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
 
@@ -146,6 +146,7 @@ class Trainer:
         directory); returns the checkpoint's path."""
         tokenizer = getattr(getattr(getattr(self, "data", None), "tokenizer", None), "path", None)
         health = self.health.mark(self.last)
+        overlap.sync_params(self.model)  # the weights the last update made, whole
         path = distributed.save(
             root or self.state.save_dir, run=self.run, model=self.model,
             optimizer=self.optimizer, scheduler=self.scheduler, topo=self.topo, step=self.step,
@@ -217,6 +218,7 @@ class Trainer:
         return result
 
     def evaluate(self) -> StepResult:
+        overlap.sync_params(self.model)
         iterator = self.data.valid_iterator()
         results = []
         for i in range(self.run.train.eval_iters):
@@ -255,6 +257,7 @@ class Trainer:
         if (t.eval_interval and self.step % t.eval_interval and self.step >= t.steps
                 and self.stop_reason is None):
             self._run_eval()
+        overlap.sync_params(self.model)
         for cb in self.callbacks:
             cb.post_train(self)
 
