@@ -24,6 +24,7 @@ wires it (``megatron/training/training.py``, ``train``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -80,9 +81,49 @@ def wire(config, model: List, parallel, dp: int) -> None:
     if chosen.grad_reduce:
         config.no_sync_func = _per_chunk([chunk.no_sync for chunk in model])
         if parallel.align_grad_reduce:
-            config.grad_sync_func = _per_chunk([chunk.start_grad_sync for chunk in model])
+            config.grad_sync_func = _per_chunk([_grad_sync(chunk) for chunk in model])
     if chosen.param_gather and parallel.align_param_gather:
         config.param_sync_func = _per_chunk([chunk.start_param_sync for chunk in model])
+    for chunk in model:
+        if gathers_params([chunk]):
+            _gather_before_each_layer(chunk)
+
+
+def _grad_sync(chunk):
+    """``chunk.start_grad_sync``, which drops the chunk's ``force_all_reduce`` (set by
+    :func:`force_all_reduce`), honouring it."""
+
+    def start(*unused):
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            group.start_grad_sync(force_all_reduce=chunk.force_all_reduce)
+
+    return start
+
+
+def _gather_before_each_layer(chunk) -> None:
+    """Megatron's pre-hooks wait for a bucket's all-gather when a module that *directly*
+    owns one of its parameters runs forward. Depth mixers read parameters of child modules
+    without calling them (an AttnRes pseudo-query inside a layer, before any of the layer's
+    own modules run: the first thing a later pipeline stage computes), so each decoder layer
+    and each top-level part of the model also waits, before it runs, for the buckets of all
+    the parameters it holds. Overlap stays at layer granularity."""
+    from depthmix.pretrain.parallelize import unwrap
+
+    inner = unwrap(chunk)
+    units = [*inner.decoder.layers, *(m for m in inner.children() if m is not inner.decoder)]
+    for unit in units:
+        groups = []
+        for param in unit.parameters():
+            group = chunk.param_to_bucket_group.get(param)
+            if group is not None and group not in groups:
+                groups.append(group)
+        if groups:
+            unit.register_forward_pre_hook(functools.partial(_finish_gather, groups, chunk))
+
+
+def _finish_gather(groups, chunk, *unused) -> None:
+    for group in groups:  # as Megatron's hook: align_param_gather dispatches from the schedule
+        group.finish_param_sync(skip_next_bucket_dispatch=chunk.ddp_config.align_param_gather)
 
 
 def gathers_params(model: List) -> bool:
