@@ -56,12 +56,31 @@ def test_default_config_is_valid():
         (["train.spike_zscore=-1"], 1, "train.spike_zscore=-1"),
         (["train.spike_window=1"], 1, "train.spike_window=1"),
         (["train.ckpt_integrity=md5"], 1, "train.ckpt_integrity='md5'"),
+        (["parallel.overlap_param_gather=true"], 1, "parallel.distributed_optimizer"),
+        (["parallel.ddp_bucket_size=0"], 1, "parallel.ddp_bucket_size=0"),
     ],
 )
 def test_bad_config_names_the_option(overrides, world, option):
     with pytest.raises(ConfigError) as info:
         preflight(compose_run(*overrides), world_size=world)
     assert option in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, dp, grad, param", [
+    ([], 1, False, False),  # the CPU default: one replica, nothing to reduce
+    (["train=paper"], 8, True, False),
+    (["train=moda_paper", "parallel=dp2_distopt"], 2, True, True),
+    (["parallel=tp8_pp4"], 2, True, True),
+    (["parallel=tp8_pp4", "parallel.overlap_grad_reduce=false"], 2, False, False),
+    (["parallel=tp8_pp4", "parallel.overlap_param_gather=false"], 2, True, False),
+])
+def test_overlap_is_on_where_it_helps(overrides, dp, grad, param):
+    """Unset (null), the overlap options turn on with data-parallel replicas (parameters:
+    also the distributed optimizer's shards); explicit values win."""
+    from depthmix.pretrain.overlap import settings
+
+    chosen = settings(compose_run(*overrides).parallel, dp)
+    assert (chosen.grad_reduce, chosen.param_gather) == (grad, param)
 
 
 def test_missing_data_path_is_refused():
