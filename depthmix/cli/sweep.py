@@ -154,8 +154,7 @@ class SweepSummaryCallback(_HydraCallback):
             print(write(sweep_dir, self.statuses), flush=True)
 
 
-@command
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser():
     parser = argument_parser(
         "depthmix-sweep-summary",
         "Compare the points of a multirun: one row per job (the overrides that vary, status, "
@@ -165,7 +164,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "sweep once its jobs have ended. Takes a second.",
         "Example:\n  depthmix-sweep-summary multirun/local/2026-11-25_20-50-00")
     parser.add_argument("sweep_dir", help="the multirun's directory (holds <n>_<overrides>/)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@command
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     if not os.path.isdir(args.sweep_dir):
         raise ConfigError(f"sweep_dir: {args.sweep_dir} is not a directory")
     if not job_dirs(args.sweep_dir):
