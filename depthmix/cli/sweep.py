@@ -73,7 +73,7 @@ def rows(sweep_dir: str, statuses: Optional[Dict[str, str]] = None) -> List[dict
     return out
 
 
-def _cell(key: str, value) -> str:
+def format_cell(key: str, value) -> str:
     if value is None:
         return "-"
     if key == "output_dir":
@@ -98,7 +98,7 @@ def columns(table: Sequence[dict]) -> List[str]:
 def text_table(table: Sequence[dict]) -> str:
     """Aligned columns for the console."""
     names = columns(table)
-    cells = [names] + [[_cell(k, row.get(k)) for k in names] for row in table]
+    cells = [names] + [[format_cell(k, row.get(k)) for k in names] for row in table]
     widths = [max(len(r[i]) for r in cells) for i in range(len(names))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
@@ -106,7 +106,7 @@ def text_table(table: Sequence[dict]) -> str:
 def markdown_table(table: Sequence[dict]) -> str:
     names = columns(table)
     lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
-    lines += ["| " + " | ".join(_cell(k, row.get(k)).replace("|", "\\|") for k in names) + " |"
+    lines += ["| " + " | ".join(format_cell(k, row.get(k)).replace("|", "\\|") for k in names) + " |"
               for row in table]
     return "\n".join(lines)
 

@@ -8,12 +8,14 @@ its ``train.log``), and ``depthmix-sweep-summary`` writes the same table again."
 import csv
 import os
 import re
+import shlex
 import subprocess
 import time
 from types import SimpleNamespace
 
 import pytest
 
+from depthmix.cli.sweep import format_cell
 from cli_runs import base_env
 from ops_harness import PYTHON, run_cli
 from wandb_files import read_run, run_dirs
@@ -72,15 +74,25 @@ def test_points_share_a_group_and_differ_only_in_the_stride(sweep):
             assert f.read() == f"local/{sweep.key}"
 
 
-def test_an_evaluation_joins_the_group(sweep, tmp_path):
-    from depthmix.config.load import compose_run
-    from depthmix.evaluate.report import log_wandb
+EVAL_LOG = """
+import sys
+from types import SimpleNamespace
+from depthmix.config.schema import LoggerConfig
+from depthmix.evaluate.report import log_wandb
+run = SimpleNamespace(logger=LoggerConfig(mode="offline", dir=sys.argv[2]), output_dir=".")
+results = {"model": "tiny", "mixer": "depth_attn", "step": 3,
+           "datasets": {"val": {"loss": 7.0, "ppl": 1096.6}}}
+log_wandb(SimpleNamespace(run=run, checkpoint=sys.argv[1]), results)
+"""
 
-    run = compose_run("logger=wandb_offline", f"logger.dir={tmp_path}")
+
+def test_an_evaluation_joins_the_group(sweep, tmp_path):
+    """What ``depthmix-eval`` logs for a checkpoint of the second point (W&B writes its
+    files completely when the process ends)."""
     checkpoint = os.path.join(sweep.jobs[1], "checkpoints", "iter_0000003")
-    results = {"model": "tiny", "mixer": "depth_attn", "step": 3,
-               "datasets": {"val": {"loss": 7.0, "ppl": 1096.6}}}
-    log_wandb(SimpleNamespace(run=run, checkpoint=checkpoint), results)
+    out = subprocess.run([PYTHON, "-c", EVAL_LOG, checkpoint, str(tmp_path)], cwd=sweep.tmp,
+                         env=sweep.env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
     (run_dir,) = run_dirs(str(tmp_path))
     record = read_run(run_dir)
     assert record["group"] == f"local/{sweep.key}" and record["job_type"] == "eval"
@@ -103,10 +115,14 @@ def test_summary_has_each_jobs_own_losses(sweep):
     assert "train.steps" not in rows[0] and "model" not in rows[0]
     assert "| mixer.stride |" in open(os.path.join(sweep.root, "summary.md")).read()
     assert "sweep summary:" in sweep.stdout
-    # every path printed can be pasted into a shell: the job directories hold '=' and ','
-    for line in sweep.stdout.splitlines():
-        if line.startswith(("outputs: ", "last checkpoint: ")):
-            assert "'" in line, line
+    # every path printed can be pasted into a shell ('=' and ',' are safe there, '[' not)
+    printed = [line.split(": ", 1)[1].split(" (")[0] for line in sweep.stdout.splitlines()
+               if line.startswith(("outputs: ", "last checkpoint: "))]
+    assert len(printed) == 6
+    for path in printed:
+        (word,) = shlex.split(path)
+        assert os.path.exists(os.path.join(sweep.tmp, word)), path
+    assert shlex.split(format_cell("output_dir", "/s/0_train.lr=[1,2]")) == ["/s/0_train.lr=[1,2]"]
 
 
 def test_sweep_summary_command(sweep):
