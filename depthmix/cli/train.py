@@ -37,15 +37,13 @@ from depthmix.runtime import log as run_log
 @command
 def train(cfg: DictConfig) -> int:
     """One run (a Hydra job): the dry run's report, or build, train and close."""
-    from depthmix.pretrain.callbacks.summary import mark_job_start
-
-    mark_job_start()
+    launch_env.mark_job_start()
     try:
+        if not cfg.train.dry_run and _already_finished(cfg):
+            return exit_codes.OK
         run = resolve(cfg)
         if run.train.dry_run:
             return dry_run(run)
-        if _already_finished(run):
-            return exit_codes.OK
         run_log.quiet_libraries(run.train.verbose)  # before Megatron's import-time info lines
         with runtime.installed():  # holds the libraries' warnings before Megatron is imported
             return _train(run)
@@ -73,11 +71,16 @@ def _discard_fresh_output_dir() -> None:
         parent = os.path.dirname(parent)
 
 
-def _already_finished(run: RunConfig) -> bool:
+def _already_finished(cfg: DictConfig) -> bool:
     """A re-run of a finished run says so (its checkpoint has reached ``train.steps``)
-    instead of loading it and opening another W&B run; a larger ``train.steps`` trains on."""
+    instead of loading it and opening another W&B run; a larger ``train.steps`` trains on.
+    Read from the composed config before it is resolved (which imports torch)."""
+    from types import SimpleNamespace
+
     from depthmix.checkpoint.store import finished_at
 
+    train = SimpleNamespace(steps=int(cfg.train.steps), save_dir=cfg.train.save_dir)
+    run = SimpleNamespace(train=train, output_dir=str(cfg.output_dir))
     step = finished_at(run)
     if step is None:
         return False

@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import subprocess
+import time
 from typing import Mapping, Optional
 
 import psutil
@@ -181,4 +182,18 @@ def set_torch_threads() -> int:
     threads = torch_threads()
     torch.set_num_threads(threads)
     return threads
+
+
+_job_start: Optional[float] = None
+
+
+def mark_job_start() -> None:
+    """A Hydra job begins: its closing "wall" counts from here, not from the process start
+    (a local multirun runs its jobs one after another in one process)."""
+    global _job_start
+    _job_start = time.time()
+
+
+def job_start() -> Optional[float]:
+    return _job_start
 

@@ -25,20 +25,11 @@ import psutil
 from depthmix.checkpoint.store import latest_checkpoint
 from depthmix.config.sweep import RESULT_FILE
 from depthmix.pretrain.callbacks.base import Callback
+from depthmix.runtime.env import job_start
 from depthmix.runtime.log import say, short_path
 
 # added by depthmix-train itself on ranks other than 0, never typed by the user
 _INTERNAL = ("hydra.output_subdir=", "hydra/hydra_logging=", "hydra/job_logging=")
-
-
-_job_start: Optional[float] = None
-
-
-def mark_job_start() -> None:
-    """A Hydra job begins: its closing "wall" counts from here (a multirun runs its jobs
-    one after another in one process)."""
-    global _job_start
-    _job_start = time.time()
 
 
 def _exit_code(error: Optional[BaseException]) -> int:
@@ -118,7 +109,7 @@ class RunSummary(Callback):
     before :class:`PreemptionCallback` (whose ``close`` may hand over to submitit)."""
 
     def __init__(self):
-        self.started = _job_start or psutil.Process().create_time()
+        self.started = job_start() or psutil.Process().create_time()
         self.eval_loss: Optional[float] = None
         self.tokens_per_s: Optional[float] = None
         self.error: Optional[BaseException] = None
