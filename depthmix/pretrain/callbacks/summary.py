@@ -25,6 +25,7 @@ import psutil
 from depthmix.checkpoint.store import latest_checkpoint
 from depthmix.config.sweep import RESULT_FILE
 from depthmix.pretrain.callbacks.base import Callback
+from depthmix.runtime import exit_codes
 from depthmix.runtime.env import job_start
 from depthmix.runtime.log import say, short_path
 
@@ -33,11 +34,12 @@ _INTERNAL = ("hydra.output_subdir=", "hydra/hydra_logging=", "hydra/job_logging=
 
 
 def _exit_code(error: Optional[BaseException]) -> int:
+    """The status ``depthmix-train`` ends with after ``error`` (None: 0)."""
     if error is None:
-        return 0
-    if type(error).__name__ == "TrainingDiverged":
-        return 3
-    return 130 if isinstance(error, KeyboardInterrupt) else 1
+        return exit_codes.OK
+    if type(error).__name__ == "TrainingDiverged":  # pretrain.health imports torch
+        return exit_codes.DIVERGED
+    return exit_codes.INTERRUPTED if isinstance(error, KeyboardInterrupt) else exit_codes.CRASH
 
 
 def _wall(seconds: float) -> str:
