@@ -48,9 +48,10 @@ def _read_json(path: str) -> Optional[dict]:
         return None
 
 
-def rows(sweep_dir: str, statuses: Optional[Dict[str, str]] = None) -> List[dict]:
+def rows(sweep_dir: str, statuses: Optional[Dict[str, int]] = None) -> List[dict]:
     """One dict per job: ``job``, the varying overrides, then the run's numbers.
-    ``statuses``: what the launcher saw of jobs that left no ``run_summary.json``."""
+    ``statuses``: the exit status of each job the launcher ran, by output directory (for
+    the jobs that left no ``run_summary.json``: refused at start-up)."""
     import yaml
 
     keys = swept_keys(sweep_dir)
@@ -62,9 +63,9 @@ def rows(sweep_dir: str, statuses: Optional[Dict[str, str]] = None) -> List[dict
                **varying(overrides, keys)}
         result = _read_json(os.path.join(job, RESULT_FILE))
         if result is None:
-            seen = (statuses or {}).get(os.path.abspath(job))
-            row.update(status=seen or "no result", exit_code=None, steps=None,
-                       output_dir=os.path.abspath(job))
+            code = (statuses or {}).get(os.path.abspath(job))
+            row.update(status="no result" if not code else "failed", exit_code=code,
+                       steps=None, output_dir=os.path.abspath(job))
         else:
             row.update(status=result["status"], exit_code=result["exit_code"],
                        steps=f"{result['step']}/{result['steps']}",
@@ -111,7 +112,7 @@ def markdown_table(table: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(sweep_dir: str, statuses: Optional[Dict[str, str]] = None) -> str:
+def write(sweep_dir: str, statuses: Optional[Dict[str, int]] = None) -> str:
     """Write ``summary.md`` and ``summary.csv`` into the sweep directory; returns the
     console table."""
     table = rows(sweep_dir, statuses)
@@ -133,25 +134,46 @@ except ImportError:  # Hydra is a dependency; this keeps the module importable w
     _HydraCallback = object
 
 
+_collecting: Optional["SweepSummaryCallback"] = None
+
+
+def collecting() -> bool:
+    """A local multirun with the summary callback is running in this process: a job's
+    non-zero status is recorded for the summary and the sweep's exit status instead of
+    ending the process before the other points ran (:class:`depthmix.cli.command.HydraTask`)."""
+    return _collecting is not None
+
+
 class SweepSummaryCallback(_HydraCallback):
     """Hydra callback: after the last job of a multirun, the table on the console and the
-    files in the sweep directory."""
+    files in the sweep directory; a local multirun then exits with its worst job's status."""
 
     def __init__(self):
-        self.statuses: Dict[str, str] = {}
+        self.statuses: Dict[str, int] = {}
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        global _collecting
+        if "BasicLauncher" in str(config.hydra.launcher.get("_target_", "")):
+            _collecting = self  # jobs run here, one after another
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         from hydra.core.utils import JobStatus
 
+        out = os.path.abspath(job_return.hydra_cfg.hydra.runtime.output_dir)
         if job_return.status == JobStatus.FAILED:
-            out = job_return.hydra_cfg.hydra.runtime.output_dir
-            self.statuses[os.path.abspath(out)] = \
-                f"failed ({type(job_return._return_value).__name__})"
+            self.statuses[out] = exit_codes.CRASH
+        elif isinstance(job_return.return_value, int):
+            self.statuses[out] = job_return.return_value
 
     def on_multirun_end(self, config, **kwargs) -> None:
+        global _collecting
+        _collecting = None
         sweep_dir = str(config.hydra.sweep.dir)
         if os.path.isdir(sweep_dir) and job_dirs(sweep_dir):
             print(write(sweep_dir, self.statuses), flush=True)
+        worst = max(self.statuses.values(), default=exit_codes.OK)
+        if worst:
+            sys.exit(worst)
 
 
 def build_parser():

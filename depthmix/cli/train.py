@@ -58,7 +58,10 @@ def _discard_fresh_output_dir() -> None:
     for it that are now empty (``outputs/local/<time>``)."""
     from hydra.core.hydra_config import HydraConfig
 
-    if launch_env.launcher_rank() != 0 or not HydraConfig.initialized():
+    from hydra.types import RunMode
+
+    if (launch_env.launcher_rank() != 0 or not HydraConfig.initialized()
+            or HydraConfig.get().mode == RunMode.MULTIRUN):  # the sweep summary lists it
         return
     out = os.path.abspath(HydraConfig.get().runtime.output_dir)
     if not os.path.isdir(out) or set(os.listdir(out)) - {".hydra", "train.log"}:

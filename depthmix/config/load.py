@@ -38,7 +38,8 @@ def _plain(group: str, node):
         return OmegaConf.to_container(node, resolve=True)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or group
-        raise ConfigError(f"{key}: {e.msg if hasattr(e, 'msg') else e}") from None
+        text = str(e.msg if hasattr(e, "msg") else e).strip().splitlines()[0]
+        raise ConfigError(f"{key}: {text}") from None
 
 
 def _typed(group: str, schema: type, node) -> object:

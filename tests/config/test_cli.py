@@ -260,7 +260,9 @@ def test_logger_options_interpolate_the_run_config():
 
 def test_a_refused_run_leaves_no_output_directory(tmp_path):
     proc = depthmix_train(tmp_path, "logger.name=x${mixer.nope}")
-    assert proc.returncode == 2 and "logger.name" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == ("configuration error: logger.name: Interpolation key "
+                                   "'mixer.nope' not found"), proc.stderr
     assert not os.path.exists(tmp_path / "outputs" / "test"), os.listdir(tmp_path / "outputs")
 
 
@@ -275,3 +277,19 @@ def test_torch_threads_share_the_cpus_among_local_ranks(monkeypatch, env, cpus, 
 
     monkeypatch.setattr(launch_env.os, "sched_getaffinity", lambda pid: set(range(cpus)))
     assert launch_env.torch_threads(env) == threads
+
+
+def test_a_local_sweep_runs_every_point_and_reports_the_failures(tmp_path):
+    """Both points are refused at start-up (exit 2): the second still runs, the summary
+    lists both with their status, and the sweep exits with it."""
+    import csv
+
+    proc = depthmix_train(tmp_path, "-m", "mixer.stride=1,2", "mixer=depth_attn",
+                          "logger.name=x${mixer.nope}")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.count("configuration error: ") == 2, proc.stderr
+    with open(tmp_path / "multirun" / "test" / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["mixer.stride"], r["status"], r["exit_code"]) for r in rows] == \
+        [("1", "failed", "2"), ("2", "failed", "2")]
+    assert "sweep summary: multirun/test/summary.md" in proc.stdout
