@@ -164,6 +164,8 @@ class SweepSummaryCallback(_HydraCallback):
             self.statuses[out] = exit_codes.CRASH
         elif isinstance(job_return.return_value, int):
             self.statuses[out] = job_return.return_value
+        if _collecting is self:  # kept current: a crashed point ends the sweep before its end
+            write(str(config.hydra.sweep.dir), self.statuses)
 
     def on_multirun_end(self, config, **kwargs) -> None:
         global _collecting
