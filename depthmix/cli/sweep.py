@@ -25,6 +25,7 @@ from depthmix.cli.command import argument_parser, command
 from depthmix.config.schema import ConfigError
 from depthmix.config.sweep import RESULT_FILE, swept_keys, varying
 from depthmix.runtime import exit_codes
+from depthmix.runtime.log import short_path
 
 NUMBERS = ("train_loss", "eval_loss", "eval_ppl", "tokens_per_s", "wall_s")
 _JOB = re.compile(r"^(\d+)_")
@@ -78,8 +79,7 @@ def format_cell(key: str, value) -> str:
     if value is None:
         return "-"
     if key == "output_dir":
-        return shlex.quote(os.path.relpath(value) if not os.path.relpath(value)
-                           .startswith("..") else value)
+        return shlex.quote(short_path(value))
     if key == "tokens_per_s":
         return f"{value:.0f}"
     if key == "wall_s":
@@ -124,7 +124,7 @@ def write(sweep_dir: str, statuses: Optional[Dict[str, int]] = None) -> str:
     with open(os.path.join(sweep_dir, "summary.md"), "w") as f:
         f.write(f"# Sweep {os.path.basename(os.path.abspath(sweep_dir))}\n\n"
                 f"{markdown_table(table)}\n")
-    where = shlex.quote(os.path.join(os.path.relpath(sweep_dir), "summary.md"))
+    where = shlex.quote(short_path(os.path.join(sweep_dir, "summary.md")))
     return f"{text_table(table)}\nsweep summary: {where} (and summary.csv)"
 
 
