@@ -4,7 +4,8 @@ Each line of a ```bash block that runs the trainer (``depthmix-train``, ``torchr
 depthmix.cli.train``, ``launch/local.sh``, ``launch/slurm/train.sbatch``) is
 dry-run in this process (``train.dry_run=true``) at the world size the command implies,
 every multirun point separately (the points of ``sweep=`` files included).
-``depthmix-preprocess`` lines are parsed by its argument parser; the other CLIs (eval,
+``depthmix-preprocess`` and ``depthmix-sweep-summary`` lines are parsed by their argument
+parsers; the other CLIs (eval,
 generate, export) are not checked here. Paths under ``/data/`` are redirected to copies of
 the embedded corpus's files, so commands for real corpora are checked too.
 """
@@ -84,8 +85,8 @@ def classify(where: str, words: List[str]):
     text = shlex.join(words)
     if words[0] == "depthmix-train":
         return DocCommand(where, text, "depthmix-train", words[1:])
-    if words[0] == "depthmix-preprocess":
-        return DocCommand(where, text, "depthmix-preprocess", words[1:])
+    if words[0] in ("depthmix-preprocess", "depthmix-sweep-summary"):
+        return DocCommand(where, text, words[0], words[1:])
     if words[0] == "torchrun" and "depthmix.cli.train" in words:
         args = words[words.index("depthmix.cli.train") + 1:]
         nodes = int(_option(words, "--nnodes", default="1").split(":")[-1])
@@ -210,7 +211,9 @@ def test_the_docs_hold_the_commands_we_expect():
     readme = [c for c in COMMANDS if c.where.startswith("README.md")]
     assert len(readme) >= 5, [c.text for c in readme]
     assert any(c.text == "depthmix-train model=tiny" for c in readme)
-    assert sum(c.args[:1] == ["-m"] for c in readme) >= 2
+    assert sum(c.args[:1] == ["-m"] for c in readme) >= 3
+    assert any(c.program == "depthmix-sweep-summary" for c in readme)
+    assert any("logger.name=" in c.text for c in readme)  # an interpolated W&B name
     assert any(c.world_size == 8 for c in readme)  # the torchrun line
     methods = {c.where.split(":")[0] for c in COMMANDS if "/methods/" in c.where}
     assert len(methods) >= 4, methods
@@ -222,6 +225,11 @@ def test_doc_command_is_valid(command, tmp_path):
         from depthmix.cli.preprocess import build_parser
 
         build_parser().parse_args(command.args)  # argparse exits 2 on a wrong option
+        return
+    if command.program == "depthmix-sweep-summary":
+        from depthmix.cli.sweep import build_parser as sweep_parser
+
+        sweep_parser().parse_args(command.args)
         return
     args = [a for a in command.args if a not in ("-m", "--multirun")]
     assert not [a for a in args if a.startswith("-")], f"unexpected flag in {command.text}"

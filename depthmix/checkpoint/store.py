@@ -11,6 +11,7 @@ Layout of ``train.save_dir`` (default ``<output_dir>/checkpoints``)::
         tokenizer.json                  the run's tokenizer (when it has a file)
         common.pt, metadata.json, *.distcp, ...
     wandb_run_id.txt                    the W&B run this directory's training logs to
+    wandb_group.txt                     its W&B group (evaluations of its checkpoints join it)
     depthmix.lock                       the run that uses the directory (:mod:`.guard`)
 
 **Write, then publish.** Every rank writes its shards into ``.tmp_iter_0000500``; rank 0
@@ -52,6 +53,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 META = "depthmix.json"
 TOKENIZER = "tokenizer.json"
 RUN_ID_FILE = "wandb_run_id.txt"
+GROUP_FILE = "wandb_group.txt"
 FORMAT_VERSION = 1
 TMP_PREFIX = ".tmp_iter_"
 TRASH_PREFIX = ".trash_"
@@ -180,21 +182,38 @@ def tokenizer_file(path: str) -> Optional[str]:
     return file if os.path.isfile(file) else None
 
 
-def read_run_id(root: str) -> Optional[str]:
-    """The W&B run that the training in save directory ``root`` logs to, or None."""
+def _read_line(root: str, name: str) -> Optional[str]:
     try:
-        with open(os.path.join(root, RUN_ID_FILE)) as f:
+        with open(os.path.join(root, name)) as f:
             return f.read().strip() or None
     except OSError:
         return None
 
 
-def write_run_id(root: str, run_id: str) -> None:
+def _write_line(root: str, name: str, text: str) -> None:
     os.makedirs(root, exist_ok=True)
-    path = os.path.join(root, RUN_ID_FILE)
+    path = os.path.join(root, name)
     with open(f"{path}.tmp", "w") as f:
-        f.write(run_id)
+        f.write(text)
     os.replace(f"{path}.tmp", path)
+
+
+def read_run_id(root: str) -> Optional[str]:
+    """The W&B run that the training in save directory ``root`` logs to, or None."""
+    return _read_line(root, RUN_ID_FILE)
+
+
+def write_run_id(root: str, run_id: str) -> None:
+    _write_line(root, RUN_ID_FILE, run_id)
+
+
+def read_group(root: str) -> Optional[str]:
+    """The W&B group of the training in save directory ``root`` (its evaluations join it)."""
+    return _read_line(root, GROUP_FILE)
+
+
+def write_group(root: str, group: str) -> None:
+    _write_line(root, GROUP_FILE, group)
 
 
 # ---------------------------------------------------------------------------------------
@@ -388,6 +407,20 @@ def check_save_dir(run) -> None:
         what = ("is not writable" if probe == path
                 else f"cannot be created ({probe} is not writable)")
         raise ConfigError(f"{option}: {path} {what}")
+
+
+def finished_at(run) -> Optional[int]:
+    """The step of the save directory's latest checkpoint when it has reached
+    ``train.steps`` (the run is finished: re-running its command has nothing to do), else
+    None. A damaged tracker counts as unfinished (the start-up checks report it)."""
+    try:
+        path = latest_checkpoint(default_save_dir(run))
+    except RuntimeError:
+        return None
+    if path is None:
+        return None
+    step = (_meta_or_none(path) or {}).get("step")
+    return step if isinstance(step, int) and step >= run.train.steps else None
 
 
 def preflight_checkpoint(run) -> Optional[str]:

@@ -71,7 +71,9 @@ def argument_parser(prog: str, description: str, *epilog: str) -> argparse.Argum
 class HydraTask:
     """A Hydra command's task function (``hydra.main(...)(HydraTask(task))``).
 
-    Hydra ignores what a task returns, so a non-zero status ends the process here. Hydra's
+    Hydra ignores what a task returns, so a non-zero status ends the process here, except
+    in a local multirun, whose summary callback collects the statuses and exits with the
+    worst after the last point (:func:`depthmix.cli.sweep.collecting`). Hydra's
     SLURM launcher (submitit) pickles the task into each job, where it is unpickled before
     Hydra resolves the job's output directory: unpickling registers the ``dm.*`` resolvers
     that directory needs (:func:`depthmix.runtime.env.register_resolvers`)."""
@@ -80,10 +82,15 @@ class HydraTask:
         self.task = task
         functools.update_wrapper(self, task)  # Hydra names the job after the task's module
 
-    def __call__(self, cfg) -> None:
+    def __call__(self, cfg) -> Optional[int]:
+        from depthmix.cli.sweep import collecting
+
         status = self.task(cfg)
+        if status and collecting():  # the sweep's summary reports it; the next point runs
+            return status
         if status:
             sys.exit(status)
+        return status
 
     def __reduce__(self):
         return _unpickled_task, (self.task,)

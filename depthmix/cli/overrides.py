@@ -39,8 +39,10 @@ TOP_LEVEL_KEYS = ("output_dir",)
 
 # ------------------------------------------------------------------------ what exists
 def groups() -> List[str]:
+    """The config groups a user chooses from (``hydra/`` holds Hydra's logging only)."""
     return sorted(d for d in os.listdir(CONFIG_DIR)
-                  if os.path.isdir(os.path.join(CONFIG_DIR, d)) and not d.startswith("_"))
+                  if os.path.isdir(os.path.join(CONFIG_DIR, d))
+                  and not d.startswith("_") and d != "hydra")
 
 
 def group_options(group: str) -> List[str]:
@@ -136,15 +138,32 @@ def _wrap(text: str, indent: int, width: int = 96) -> str:
                          subsequent_indent=" " * indent)
 
 
-def _describe(prefix: str, options: Sequence[Option]) -> List[str]:
+def _value(node, name: str, default: str) -> str:
+    """The composed config's value of an option (interpolations unresolved), else the
+    schema's default."""
+    from omegaconf import OmegaConf
+
+    if node is None or name not in node:
+        return default
+    value = OmegaConf.to_container(node, resolve=False)[name]
+    return "null" if value is None else str(value)
+
+
+def _describe(prefix: str, options: Sequence[Option], node=None) -> List[str]:
     lines = []
     for o in options:
-        lines.append(f"  {prefix}{o.name}: {o.type} = {o.default}")
+        lines.append(f"  {prefix}{o.name}: {o.type} = {_value(node, o.name, o.default)}")
         lines.append(_wrap(o.doc or "(undocumented)", 6))
     return lines
 
 
-def help_text() -> str:
+RUN_NAME_DOC = ("The run's fixed output directory outputs/<name> (a multirun's: "
+                "multirun/<name>); re-running the same command resumes from its last "
+                "checkpoint. May hold slashes. null = a fresh directory per run.")
+
+
+def help_text(cfg=None, overrides: Sequence[str] = ()) -> str:
+    """``cfg``: the composed config of ``overrides``, whose values the options show."""
     defaults = group_defaults()
     lines = [
         f"{APP}: pretrain a depth-mixing transformer on Megatron-Core",
@@ -162,17 +181,24 @@ def help_text() -> str:
     for group in groups():
         choices = [f"{c}*" if c == defaults.get(group) else c for c in group_options(group)]
         lines.append(f"  {group}: {', '.join(choices)}")
+    get = (lambda key: cfg.get(key)) if cfg is not None else (lambda key: None)
+    where = f"the values composed for {' '.join(overrides)}" if overrides else \
+        "the values of the default presets"
+    lines += ["", f"Options show {where}.", "", "run options:",
+              f"  run.name: Optional[str] = {_value(get('run'), 'name', 'None')}",
+              _wrap(RUN_NAME_DOC, 6)]
     for group in GROUP_SCHEMAS:
         lines += ["", f"{group} options ({group}.<option>=value; the preset in configs/{group}/ "
                   "sets some):"]
-        lines += _describe(f"{group}.", schema_options(group))
+        lines += _describe(f"{group}.", schema_options(group), get(group))
+    chosen = str(get("mixer").name) if get("mixer") is not None else None
     lines += ["", "mixer options (every method):"]
-    lines += _describe("mixer.", mixer_options())
+    lines += _describe("mixer.", mixer_options(), get("mixer"))
     for name in sorted(mixer_classes()):
         own = mixer_options(name)
         if own:
             lines += ["", f"mixer={name} options:"]
-            lines += _describe("mixer.", own)
+            lines += _describe("mixer.", own, get("mixer") if name == chosen else None)
     lines += ["", "Hydra: --hydra-help for Hydra's own flags; --cfg job prints the composed "
               "config.", ""]
     return "\n".join(lines)
@@ -354,7 +380,9 @@ def before_hydra(argv: Sequence[str]) -> Optional[int]:
     multirun dry run's verdicts; None to let Hydra run. Raises :class:`ConfigError` for
     overrides Hydra would refuse."""
     if "--help" in argv or "-h" in argv:
-        print(help_text())
+        overrides = [a for a in argv if a not in ("--help", "-h", "-m", "--multirun")]
+        points = compose_points(overrides, multirun="-m" in argv or "--multirun" in argv)
+        print(help_text(points[0].cfg, overrides))
         return exit_codes.OK
     from hydra._internal.utils import get_args_parser
 

@@ -16,6 +16,8 @@ anything else.
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import sys
 from typing import Optional, TextIO
 
@@ -25,7 +27,7 @@ from omegaconf import DictConfig
 from depthmix import runtime
 from depthmix.cli.command import HydraTask, command
 from depthmix.config.load import resolve
-from depthmix.config.schema import RunConfig
+from depthmix.config.schema import ConfigError, RunConfig
 from depthmix.config.store import register_configs
 from depthmix.runtime import env as launch_env
 from depthmix.runtime import exit_codes
@@ -35,12 +37,61 @@ from depthmix.runtime import log as run_log
 @command
 def train(cfg: DictConfig) -> int:
     """One run (a Hydra job): the dry run's report, or build, train and close."""
-    run = resolve(cfg)
-    if run.train.dry_run:
-        return dry_run(run)
-    run_log.quiet_libraries(run.train.verbose)  # before Megatron's import-time info lines
-    with runtime.installed():  # holds the libraries' warnings before Megatron is imported
-        return _train(run)
+    launch_env.mark_job_start()
+    try:
+        if not cfg.train.dry_run and _already_finished(cfg):
+            return exit_codes.OK
+        run = resolve(cfg)
+        if run.train.dry_run:
+            return dry_run(run)
+        run_log.quiet_libraries(run.train.verbose)  # before Megatron's import-time info lines
+        with runtime.installed():  # holds the libraries' warnings before Megatron is imported
+            return _train(run)
+    except ConfigError:
+        _discard_fresh_output_dir()
+        raise
+
+
+def _discard_fresh_output_dir() -> None:
+    """A run refused by its start-up checks leaves nothing behind: its Hydra output
+    directory when that holds only Hydra's record and the log, and the parents Hydra made
+    for it that are now empty (``outputs/local/<time>``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from hydra.types import RunMode
+
+    if (launch_env.launcher_rank() != 0 or not HydraConfig.initialized()
+            or HydraConfig.get().mode == RunMode.MULTIRUN):  # the sweep summary lists it
+        return
+    out = os.path.abspath(HydraConfig.get().runtime.output_dir)
+    if not os.path.isdir(out) or set(os.listdir(out)) - {".hydra", "train.log"}:
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    parent, stop = os.path.dirname(out), os.path.abspath(os.getcwd())
+    while (parent.startswith(stop + os.sep) and os.path.basename(parent)
+           not in ("outputs", "multirun") and not os.listdir(parent)):
+        os.rmdir(parent)
+        parent = os.path.dirname(parent)
+
+
+def _already_finished(cfg: DictConfig) -> bool:
+    """A re-run of a finished run says so (its checkpoint has reached ``train.steps``)
+    instead of loading it and opening another W&B run; a larger ``train.steps`` trains on.
+    Read from the composed config before it is resolved (which imports torch)."""
+    from types import SimpleNamespace
+
+    from depthmix.checkpoint.store import finished_at
+
+    train = SimpleNamespace(steps=int(cfg.train.steps), save_dir=cfg.train.save_dir)
+    run = SimpleNamespace(train=train, output_dir=str(cfg.output_dir))
+    step = finished_at(run)
+    if step is None:
+        return False
+    if launch_env.launcher_rank() == 0:
+        run_log.say(f"run already finished at step {step}/{run.train.steps}: "
+                    f"{shlex.quote(run_log.short_path(run.output_dir))} (raise train.steps to "
+                    "train further)")
+    return True
 
 
 def _train(run: RunConfig) -> int:
@@ -49,6 +100,7 @@ def _train(run: RunConfig) -> int:
     from depthmix.pretrain.trainer import Trainer, default_callbacks
 
     launch_env.ensure_distributed_env()  # srun/submitit tasks without torchrun
+    launch_env.set_torch_threads()
     launch_env.quiet_nonzero_rank_logging(launch_env.launcher_rank())
     trainer = Trainer(run, callbacks=default_callbacks(run))  # restored from its checkpoint
     diverged = None

@@ -29,7 +29,21 @@ _GROUPS = {
 }
 
 
+def _plain(group: str, node):
+    """The group's values with interpolations resolved against the whole config (merging
+    the node alone would lose ``${mixer.stride}`` in ``logger.name``)."""
+    if not isinstance(node, DictConfig):
+        return node
+    try:
+        return OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or group
+        text = str(e.msg if hasattr(e, "msg") else e).strip().splitlines()[0]
+        raise ConfigError(f"{key}: {text}") from None
+
+
 def _typed(group: str, schema: type, node) -> object:
+    node = _plain(group, node)
     known = {f.name for f in dataclasses.fields(schema)}
     unknown = sorted(set(node or {}) - known)
     if unknown:

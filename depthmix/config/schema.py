@@ -262,11 +262,18 @@ class LoggerConfig:
     entity: Optional[str] = None
     """W&B entity (team or user); None = your default."""
     name: Optional[str] = None
-    """W&B run name; None = derived from the model and mixer."""
+    """W&B display name; may interpolate the run config (``'logger.name=da-s${mixer.stride}'``).
+    None = ``<model>-<mixer>``, plus the overrides that vary across a multirun and its short
+    sweep id."""
+    group: Optional[str] = None
+    """W&B group; None = the sweep directory's name for a multirun, ``run.name`` (else the
+    output directory's name) for one run. The run's evaluations join the same group."""
+    job_type: Optional[str] = None
+    """W&B job type; None = ``train`` (``depthmix-train``) or ``eval`` (``depthmix-eval``)."""
     dir: Optional[str] = None
     """Where W&B writes its files; None = the run's output directory."""
     tags: list[str] = field(default_factory=list)
-    """W&B tags."""
+    """W&B tags, added to the ``model:<name>`` and ``mixer:<name>`` tags every run has."""
     depth_stats_interval: int = 0
     """Log per-layer depth-mixing weights every N steps (0 = never): one extra no-grad
     forward over the first validation micro-batch(es), heatmaps + scalars to W&B and PNGs

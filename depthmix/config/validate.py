@@ -42,6 +42,7 @@ CHOICES = {
 FREE_TEXT = frozenset({
     "model.name", "data.name", "data.tokenizer", "data.cache_dir", "train.save_dir",
     "train.load_dir", "logger.project", "logger.entity", "logger.name", "logger.dir",
+    "logger.group", "logger.job_type",
     "output_dir", "name",
 })
 """String options that take any text: names (of a preset, a run, a W&B project) and paths."""

@@ -1,7 +1,8 @@
 """Where evaluation results go: a JSON file, a console table, and W&B when a logger is set.
 
 W&B: one run per evaluation (``job_type="eval"``), in the W&B group of the training run
-that wrote the checkpoint (its id from ``<save_dir>/wandb_run_id.txt``) when there is one;
+that wrote the checkpoint (``<save_dir>/wandb_group.txt``; older save directories: the
+training run's id from ``wandb_run_id.txt``) when there is one;
 ``eval/<dataset>/{loss,ppl,tokens}`` and ``eval/pooled/*`` are logged at the checkpoint's
 step and kept in the run summary; lm-eval metrics as ``eval/<task>/<metric>``.
 """
@@ -77,14 +78,17 @@ def log_wandb(job, results: dict) -> Optional[str]:
         return None
     import wandb
 
-    from depthmix.checkpoint.store import read_run_id
+    from depthmix.checkpoint.store import read_group, read_run_id
 
-    group = read_run_id(os.path.dirname(job.checkpoint))
+    save_dir = os.path.dirname(job.checkpoint)
+    group = lg.group or read_group(save_dir) or read_run_id(save_dir)
     directory = lg.dir or job.run.output_dir
     os.makedirs(directory, exist_ok=True)
     name = lg.name or f"{results['model']}-{results['mixer']}-step{results['step']}-eval"
     run = wandb.init(project=lg.project, entity=lg.entity, name=name, dir=directory,
-                     mode=lg.mode, group=group, job_type="eval", tags=list(lg.tags) or None,
+                     mode=lg.mode, group=group, job_type=lg.job_type or "eval",
+                     tags=[f"model:{results['model']}", f"mixer:{results['mixer']}",
+                           *lg.tags],
                      config={k: v for k, v in results.items()
                              if k not in ("datasets", "pooled", "tasks")},
                      settings=wandb.Settings(console="off"))

@@ -19,6 +19,7 @@ import os
 import re
 import socket
 import subprocess
+import time
 from typing import Mapping, Optional
 
 import psutil
@@ -157,3 +158,42 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torch_threads(env: Mapping[str, str] = os.environ) -> int:
+    """Threads per process for torch's CPU work: ``OMP_NUM_THREADS`` when set, else the CPUs
+    this process may run on shared among the ranks of this node (``LOCAL_WORLD_SIZE``;
+    torch's default of every core per process oversubscribes a node running several ranks
+    or a loaded machine)."""
+    if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        return int(env["OMP_NUM_THREADS"])
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        cpus = os.cpu_count() or 1
+    local = re.match(r"\d*", env.get("LOCAL_WORLD_SIZE")
+                     or env.get("SLURM_NTASKS_PER_NODE") or "1").group()  # SLURM: "8(x2)"
+    return max(1, cpus // max(1, int(local or 1)))
+
+
+def set_torch_threads() -> int:
+    import torch
+
+    threads = torch_threads()
+    torch.set_num_threads(threads)
+    return threads
+
+
+_job_start: Optional[float] = None
+
+
+def mark_job_start() -> None:
+    """A Hydra job begins: its closing "wall" counts from here, not from the process start
+    (a local multirun runs its jobs one after another in one process)."""
+    global _job_start
+    _job_start = time.time()
+
+
+def job_start() -> Optional[float]:
+    return _job_start
+

@@ -81,6 +81,21 @@ def say(text: str) -> None:
         print(text, flush=True)
 
 
+def also_to_file(path: str) -> None:
+    """Send this process's console lines to ``path`` too, stamped as Hydra's job logging
+    stamps ``train.log``. For the logging rank when it is not rank 0 (the last pipeline
+    stage), whose job logging is the console only; a process with a log file keeps its
+    own."""
+    root = logging.getLogger()
+    if not _console_configured() or any(isinstance(h, logging.FileHandler)
+                                        for h in root.handlers):
+        return
+    handler = logging.FileHandler(path)  # appends beside rank 0's lines
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - "
+                                           "%(message)s"))
+    root.addHandler(handler)
+
+
 def short_path(path: str) -> str:
     """Relative to the working directory when below it."""
     rel = os.path.relpath(path)

@@ -239,3 +239,57 @@ def test_a_submitit_job_registers_the_resolvers_as_it_unpickles_the_task(tmp_pat
     job = subprocess.run([sys.executable, "-c", UNPICKLE, str(path)], capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert job.stdout.split() == ["depthmix.cli.train", "True", "True"], job.stderr[-2000:]
+
+
+def test_help_shows_the_composed_values(tmp_path):
+    proc = depthmix_train(tmp_path, "model=tiny", "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "  model.seq_length: int = 128\n" in proc.stdout
+    assert "  run.name: Optional[str] = null\n" in proc.stdout
+    assert not [l for l in proc.stdout.splitlines() if l.strip() == "hydra:"]
+    assert "\n  hydra: " not in proc.stdout
+
+
+def test_logger_options_interpolate_the_run_config():
+    from depthmix.config.load import compose_run
+
+    run = compose_run("mixer=depth_attn", "mixer.stride=2", "logger.name=da-s${mixer.stride}",
+                      "logger.group=g${train.steps}")
+    assert (run.logger.name, run.logger.group) == ("da-s2", f"g{run.train.steps}")
+
+
+def test_a_refused_run_leaves_no_output_directory(tmp_path):
+    proc = depthmix_train(tmp_path, "logger.name=x${mixer.nope}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == ("configuration error: logger.name: Interpolation key "
+                                   "'mixer.nope' not found"), proc.stderr
+    assert not os.path.exists(tmp_path / "outputs" / "test"), os.listdir(tmp_path / "outputs")
+
+
+@pytest.mark.parametrize("env, cpus, threads", [
+    ({"OMP_NUM_THREADS": "3"}, 8, 3),
+    ({"LOCAL_WORLD_SIZE": "2"}, 8, 4),
+    ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 8, 2),
+    ({"LOCAL_WORLD_SIZE": "8"}, 2, 1),
+])
+def test_torch_threads_share_the_cpus_among_local_ranks(monkeypatch, env, cpus, threads):
+    from depthmix.runtime import env as launch_env
+
+    monkeypatch.setattr(launch_env.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert launch_env.torch_threads(env) == threads
+
+
+def test_a_local_sweep_runs_every_point_and_reports_the_failures(tmp_path):
+    """Both points are refused at start-up (exit 2): the second still runs, the summary
+    lists both with their status, and the sweep exits with it."""
+    import csv
+
+    proc = depthmix_train(tmp_path, "-m", "mixer.stride=1,2", "mixer=depth_attn",
+                          "logger.name=x${mixer.nope}")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.count("configuration error: ") == 2, proc.stderr
+    with open(tmp_path / "multirun" / "test" / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["mixer.stride"], r["status"], r["exit_code"]) for r in rows] == \
+        [("1", "failed", "2"), ("2", "failed", "2")]
+    assert "sweep summary: multirun/test/summary.md" in proc.stdout

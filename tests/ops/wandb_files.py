@@ -55,13 +55,16 @@ def run_dirs(root: str) -> list:
 
 
 def read_run(run_dir: str) -> dict:
-    """{"id", "config": {key: value}, "history": [{key: value}], "files": [...]}"""
+    """{"id", "name", "group", "job_type", "tags", "config": {key: value},
+    "history": [{key: value}], "files": [...]}"""
     path = glob.glob(os.path.join(run_dir, "run-*.wandb"))[0]
     out = {"id": None, "config": {}, "history": [], "files": []}
     for record in records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             out["id"] = record.run.run_id
+            out.update(name=record.run.display_name, group=record.run.run_group,
+                       job_type=record.run.job_type, tags=list(record.run.tags))
             for item in record.run.config.update:
                 out["config"][item.key] = json.loads(item.value_json)
         elif kind == "config":

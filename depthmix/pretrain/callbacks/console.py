@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 from depthmix.runtime import log as run_log
 from depthmix.pretrain.callbacks.base import Callback
@@ -22,6 +23,10 @@ class ConsoleLogger(Callback):
         if not trainer.topo.is_logging_rank:
             return
         (self.printer or run_log.say)(text)
+
+    def setup(self, trainer) -> None:
+        if trainer.topo.is_logging_rank and self.printer is None:
+            run_log.also_to_file(os.path.join(trainer.run.output_dir, "train.log"))
 
     def pre_train(self, trainer) -> None:
         verbose = trainer.run.train.verbose

@@ -11,6 +11,9 @@ naming its directory (or unchanged when the command already fixes the directory)
 
 from __future__ import annotations
 
+import glob
+import json
+import math
 import os
 import shlex
 import sys
@@ -20,11 +23,23 @@ from typing import List, Mapping, Optional, Sequence
 import psutil
 
 from depthmix.checkpoint.store import latest_checkpoint
+from depthmix.config.sweep import RESULT_FILE
 from depthmix.pretrain.callbacks.base import Callback
+from depthmix.runtime import exit_codes
+from depthmix.runtime.env import job_start
 from depthmix.runtime.log import say, short_path
 
 # added by depthmix-train itself on ranks other than 0, never typed by the user
 _INTERNAL = ("hydra.output_subdir=", "hydra/hydra_logging=", "hydra/job_logging=")
+
+
+def _exit_code(error: Optional[BaseException]) -> int:
+    """The status ``depthmix-train`` ends with after ``error`` (None: 0)."""
+    if error is None:
+        return exit_codes.OK
+    if type(error).__name__ == "TrainingDiverged":  # pretrain.health imports torch
+        return exit_codes.DIVERGED
+    return exit_codes.INTERRUPTED if isinstance(error, KeyboardInterrupt) else exit_codes.CRASH
 
 
 def _wall(seconds: float) -> str:
@@ -96,9 +111,14 @@ class RunSummary(Callback):
     before :class:`PreemptionCallback` (whose ``close`` may hand over to submitit)."""
 
     def __init__(self):
-        self.started = psutil.Process().create_time()
+        self.started = job_start() or psutil.Process().create_time()
         self.eval_loss: Optional[float] = None
+        self.tokens_per_s: Optional[float] = None
         self.error: Optional[BaseException] = None
+
+    def post_step(self, trainer, result) -> None:
+        if result.perf is not None:
+            self.tokens_per_s = result.perf.as_dict().get("perf/tokens_per_s")
 
     def post_eval(self, trainer, result) -> None:
         self.eval_loss = result.loss
@@ -126,29 +146,53 @@ class RunSummary(Callback):
         if self.eval_loss is not None:
             head += f" | eval loss {self.eval_loss:.4f}"
         head += f" | wall {_wall(time.time() - self.started)}"
-        out = short_path(run.output_dir)
+        out = shlex.quote(short_path(run.output_dir))
         contents = [n for n in ("train.log", "checkpoints", "wandb", "depth_stats", "profile")
                     if os.path.exists(os.path.join(run.output_dir, n))]
         lines = [head, f"outputs: {out}" + (f" ({', '.join(contents)})" if contents else "")]
         last = latest_checkpoint(trainer.state.save_dir)
-        lines.append(f"last checkpoint: {short_path(last) if last else 'none'}")
+        lines.append(f"last checkpoint: {shlex.quote(short_path(last)) if last else 'none'}")
         wandb_dir = next((cb.directory for cb in trainer.callbacks
                           if getattr(cb, "directory", None)), None)
         if wandb_dir and run.logger.mode == "offline":
-            lines.append(f"W&B (offline): wandb sync {short_path(wandb_dir)}")
+            lines.append(f"W&B (offline): {sync_command(wandb_dir)}")
         if trainer.step < t.steps or self.error is not None:
             multirun = _is_multirun()
             if os.environ.get("SLURM_JOB_ID"):
                 lines.append("resume: a requeued job resumes by itself; a new job: add "
-                             f"{directory_option(run.output_dir, multirun)} to its training "
+                             f"{shlex.quote(directory_option(run.output_dir, multirun))} to its training "
                              "arguments")
             else:
                 command = resume_command(run.output_dir, launch_command(), multirun)
                 lines.append(f"resume: {command}")
         return lines
 
+    def result(self, trainer) -> dict:
+        """The numbers of the closing summary, for the sweep summary."""
+        last = trainer.last
+        return {"status": self._ending(trainer).split(" (")[0].replace("run ", "", 1),
+                "exit_code": _exit_code(self.error), "step": trainer.step,
+                "steps": trainer.run.train.steps,
+                "train_loss": None if last is None else last.loss,
+                "eval_loss": self.eval_loss,
+                "eval_ppl": None if self.eval_loss is None else math.exp(min(self.eval_loss, 50)),
+                "tokens_per_s": self.tokens_per_s,
+                "wall_s": round(time.time() - self.started, 1),
+                "output_dir": os.path.abspath(trainer.run.output_dir)}
+
     def close(self, trainer) -> None:
         if not trainer.topo.is_logging_rank:
             return
         for line in self.lines(trainer):
             say(line)
+        path = os.path.join(trainer.run.output_dir, RESULT_FILE)
+        with open(path, "w") as f:
+            json.dump(self.result(trainer), f, indent=1)
+
+
+def sync_command(wandb_dir: str) -> str:
+    """``wandb sync`` with every offline segment of the run (one ``offline-run-<time>-<id>``
+    directory per job that logged to it: the first and each resumed one), oldest first."""
+    run_id = os.path.basename(wandb_dir).rsplit("-", 1)[-1]
+    segments = sorted(glob.glob(os.path.join(os.path.dirname(wandb_dir), f"*run-*-{run_id}")))
+    return shlex.join(["wandb", "sync", *map(short_path, segments or [wandb_dir])])

@@ -6,6 +6,10 @@
   directory (requeue, re-run) continues the same W&B run (``resume="allow"``), its steps
   continuing from the checkpoint's. Offline, each job writes its own
   ``offline-run-<time>-<id>`` directory with that id; ``wandb sync`` merges them.
+* Group (``logger.group``): the sweep directory's name for every point of a multirun,
+  ``run.name`` for one run; kept in ``<save_dir>/wandb_group.txt``, where evaluations of
+  the checkpoints find it. Job type ``train``; tags ``model:<name>``, ``mixer:<name>``;
+  display name :func:`default_name` (``logger.name`` may interpolate the run config).
 * Logged: the full resolved config (plus layout, world size, FLOPs per token); every
   ``train.log_interval`` steps ``train/{loss,lr,grad_norm,loss_scale,skipped,
   nonfinite_steps,consumed_samples,tokens}``,
@@ -24,9 +28,11 @@ import logging
 import math
 import os
 import secrets
+import shlex
 import string
 
-from depthmix.checkpoint.store import write_run_id
+from depthmix.checkpoint.store import read_group, write_group, write_run_id
+from depthmix.config import sweep
 from depthmix.pretrain.callbacks.base import Callback
 from depthmix.runtime.log import say, short_path
 
@@ -41,14 +47,39 @@ def _pil_available() -> bool:
         return False
 
 
-def default_name(run) -> str:
-    """``<model>-<mixer>-<job>``: the job is the output directory's name, or its parent's
-    when that name is just ``<model>_<mixer>`` (e.g. ``3b-moda-slurm-4242``)."""
+def default_name(run, point=None) -> str:
+    """A multirun point: ``<model>-<mixer>-<key>=<value>...-<sweep id>`` with only the
+    overrides that vary across the sweep. One run: ``<model>-<mixer>-<job>``, the job being
+    the output directory's name, or its parent's when that name is just ``<model>_<mixer>``
+    (e.g. ``3b-moda-slurm-4242``)."""
+    if point is not None:
+        return "-".join([run.model.name, run.mixer.name,
+                         *(f"{k}={v}" for k, v in point.varying.items()), point.sweep_id])
     path = os.path.normpath(os.path.abspath(run.output_dir))
     job = os.path.basename(path)
     if job == f"{run.model.name}_{run.mixer.name}":
         job = os.path.basename(os.path.dirname(path))
     return f"{run.model.name}-{run.mixer.name}-{job}"
+
+
+def default_group(run, point=None) -> str:
+    """The sweep directory's name for a multirun point; ``run.name``, else the output
+    directory below ``outputs/``, for one run."""
+    if point is not None:
+        return point.group
+    if run.name:
+        return run.name
+    root = os.path.abspath("outputs")
+    path = os.path.abspath(run.output_dir)
+    if os.path.commonpath([root, path]) == root and path != root:
+        return os.path.relpath(path, root)
+    return os.path.basename(path)
+
+
+def tags(run) -> list:
+    """``model:<name>``, ``mixer:<name>``, then ``logger.tags``."""
+    base = [f"model:{run.model.name}", f"mixer:{run.mixer.name}"]
+    return base + [t for t in run.logger.tags if t not in base]
 
 
 def _settings(wandb, verbose: bool):
@@ -89,17 +120,20 @@ class WandbLogger(Callback):
                             "vp": topo.vp, "dp": topo.dp}
         config["flops_per_token"] = flops_per_token(run, trainer.config)
         config["resumed_from"] = state.resumed_from
+        point = sweep.current()
+        group = lg.group or read_group(state.save_dir) or default_group(run, point)
+        write_group(state.save_dir, group)
         directory = lg.dir or run.output_dir
         os.makedirs(directory, exist_ok=True)
         settings = _settings(wandb, run.train.verbose)
         wandb.setup(settings=settings)  # its console output is configured here, not in init
         self.run = wandb.init(
-            project=lg.project, entity=lg.entity, name=lg.name or default_name(run),
+            project=lg.project, entity=lg.entity, name=lg.name or default_name(run, point),
             dir=directory, mode=lg.mode, id=run_id, resume="allow", config=config,
-            tags=list(lg.tags) or None, settings=settings,
+            group=group, job_type=lg.job_type or "train", tags=tags(run), settings=settings,
         )
         self.directory = os.path.dirname(self.run.dir)  # .../offline-run-<time>-<id>
-        say(f"W&B run {run_id} ({lg.mode}): {short_path(self.directory)}")
+        say(f"W&B run {run_id} ({lg.mode}): {shlex.quote(short_path(self.directory))}")
 
     # ---- events -------------------------------------------------------------------------
     def post_step(self, trainer, result) -> None:
