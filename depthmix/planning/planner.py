@@ -7,25 +7,13 @@ Every other override composes the run as ``depthmix-train`` would (model, mixer,
 preset, ...). The planner enumerates tensor/pipeline/virtual/data-parallel sizes, micro
 batch, full recomputation, sequence parallelism and the distributed optimizer; keeps the
 layouts whose every pipeline rank fits the device memory less a reserve
-(:mod:`depthmix.planning.memory`, the dry run's model); and estimates one step's time::
-
-    compute   3 x forward FLOPs x tokens / (gpus x peak x MFU)   (+1 forward with recompute)
-    bubble    compute x (pp - 1) / (vp x micro-batches)          (1F1B / interleaved)
-    tp        per layer and micro-batch 4 all-reduces (2 forward, 2 backward; SP's
-              all-gather + reduce-scatter move the same bytes) of b s h e bytes,
-              2 (tp - 1) / tp of it per GPU over NVLink (+2 with recompute)
-    p2p       per micro-batch and chunk, the transport's wire bytes forward and back, over
-              NVLink when neighbouring stages share a node, else the network
-    dp        gradient all-reduce 2 (dp - 1) / dp x 4 bytes a parameter, or with the
-              distributed optimizer reduce-scatter (4 bytes) + parameter all-gather
-              (weight bytes), (dp - 1) / dp each; over the network when the DP group
-              spans nodes
-
-Nothing is overlapped (Megatron's defaults here: no TP/DP overlap), so the sum is an
-upper bound a tuned run beats; the ranking is what the planner is for. Cluster defaults
-(:data:`GPU_KINDS`) are the device table's peaks, memory and bandwidths
-(:mod:`depthmix.planning.hardware`) and an achievable MFU; override any with
-``cluster.<field>=``.
+(:mod:`depthmix.planning.memory`, the dry run's model); and ranks them by one step's time
+(:mod:`depthmix.planning.step_time`: compute at an MFU that falls for small GEMMs, a fixed
+cost per micro-batch and pipeline stage, the pipeline bubble, TP, P2P and the data-parallel
+communication left exposed by ``parallel.overlap_*``). Its assumptions are printed in the
+report's header. Cluster defaults (:data:`GPU_KINDS`) are the device table's peaks, memory
+and bandwidths (:mod:`depthmix.planning.hardware`) and the MFU of large GEMM-bound layers;
+override any with ``cluster.<field>=``.
 """
 
 from __future__ import annotations
@@ -39,6 +27,7 @@ from depthmix.config.schema import ConfigError, RunConfig
 from depthmix.config.validate import validate
 from depthmix.planning import hardware, memory
 from depthmix.planning.flops import flops_per_token
+from depthmix.planning.step_time import TERMS, step_time
 from depthmix.planning.units import GIB, fmt_bytes
 
 
@@ -64,8 +53,11 @@ class GpuKind:
                    device.nvlink_gbs, device.network_gbs, device.gpus_per_node)
 
 
-GPU_KINDS = {"h100": GpuKind.of(hardware.H100, 0.40), "h200": GpuKind.of(hardware.H200, 0.40),
-             "a100": GpuKind.of(hardware.A100, 0.45)}
+# MFU of large GEMM-bound layers: Megatron-LM README, "up to 47% MFU on H100 clusters";
+# Narayanan et al. 2021 (Efficient Large-Scale Language Model Training on GPU Clusters
+# Using Megatron-LM), Table 1: 52% of an A100's peak at 530B-1T parameters.
+GPU_KINDS = {"h100": GpuKind.of(hardware.H100, 0.47), "h200": GpuKind.of(hardware.H200, 0.47),
+             "a100": GpuKind.of(hardware.A100, 0.52)}
 
 
 @dataclass
@@ -134,7 +126,6 @@ class Layout:
                 + (" " + "+".join(flags) if flags else ""))
 
 
-TERMS = ("compute", "recompute", "bubble", "tp", "p2p", "dp")
 
 
 @dataclass
@@ -188,35 +179,6 @@ def _accepted(run: RunConfig, gpus: int) -> bool:
     except ConfigError:
         return False
     return True
-
-
-def step_time(run: RunConfig, lay: Layout, kind: GpuKind, ranks, flops_per_token: float,
-              params_per_rank: int, gpus: int) -> dict:
-    """Seconds per step by term (module doc)."""
-    m, t = run.model, run.train
-    e = memory.activation_bytes_of(t.precision)
-    tokens = t.global_batch_size * m.seq_length
-    num_micro = t.global_batch_size // (lay.micro_batch * lay.dp)
-    vp = lay.vp or 1
-    compute = flops_per_token * tokens / (gpus * kind.peak_tflops * 1e12 * kind.mfu)
-    recompute = compute / 3 if lay.recompute == "full" else 0.0
-    bubble = (compute + recompute) * (lay.pp - 1) / (vp * num_micro)
-    layers_here = m.num_layers * m.n_loops // lay.pp
-    collectives = 4 + (2 if lay.recompute == "full" else 0)
-    size = lay.micro_batch * m.seq_length * m.hidden_size * e
-    tp = (layers_here * num_micro * collectives * 2 * (lay.tp - 1) / lay.tp * size
-          / (kind.nvlink_gbs * 1e9))
-    stage_stride = lay.tp * lay.dp  # Megatron's rank order: tp fastest, pp outermost
-    p2p_bw = kind.nvlink_gbs if stage_stride < kind.gpus_per_node else kind.network_gbs
-    wire = max(r.wire_bytes for r in ranks)
-    p2p = num_micro * vp * 2 * wire / (p2p_bw * 1e9) if lay.pp > 1 else 0.0
-    dp_bw = kind.network_gbs if lay.tp * lay.dp > kind.gpus_per_node else kind.nvlink_gbs
-    share = (lay.dp - 1) / lay.dp
-    weights = memory.state_bytes_per_param(t.precision, False, 1)["weights"]
-    per_param = (4 + weights) * share if lay.distributed_optimizer else 2 * 4 * share
-    dp = params_per_rank * per_param / (dp_bw * 1e9)
-    return {"compute": compute, "recompute": recompute, "bubble": bubble, "tp": tp,
-            "p2p": p2p, "dp": dp}
 
 
 class NoFit(Exception):
