@@ -19,12 +19,11 @@ override any with ``cluster.<field>=``.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, TextIO
+from typing import List, Optional
 
 from depthmix.config.schema import ConfigError, RunConfig
-from depthmix.config.validate import validate
+from depthmix.config.validate import closest, validate
 from depthmix.planning import hardware, memory
 from depthmix.planning.flops import flops_per_token
 from depthmix.planning.step_time import TERMS, step_time
@@ -65,21 +64,32 @@ class Cluster:
     """``cluster.*`` overrides of ``depthmix-plan`` (not part of the training config)."""
 
     gpus: int = 8
+    """GPUs of the job."""
     gpu: str = "h100"
+    """GPU kind: its memory, bf16 peak, MFU of large layers and bandwidths (h100, h200,
+    a100)."""
     nodes: Optional[int] = None
-    """Default: ``gpus / gpus_per_node`` rounded up."""
+    """Nodes of the job; default ``gpus / 8`` rounded up. Decides which groups cross the
+    network."""
     reserve_gib: float = memory.RESERVE_GIB
+    """Memory kept free on every GPU (CUDA context, NCCL buffers, fragmentation)."""
     memory_gib: Optional[float] = None
+    """Usable memory per GPU; default the GPU kind's."""
     peak_tflops: Optional[float] = None
+    """Dense peak TFLOP/s per GPU; default the kind's bf16 peak (1979 for H100 FP8)."""
     mfu: Optional[float] = None
+    """MFU that large GEMM-bound layers reach; default the kind's (0.47 H100/H200, 0.52
+    A100). Smaller micro-batches and widths reach less (docs/scaling.md)."""
     nvlink_gbs: Optional[float] = None
+    """GB/s per GPU, one direction, inside a node; default the kind's."""
     network_gbs: Optional[float] = None
+    """GB/s per GPU between nodes; default the kind's (its node's NICs over its GPUs)."""
     micro_batch_sizes: tuple = (1, 2, 4, 8)
 
     def kind(self) -> GpuKind:
         if self.gpu not in GPU_KINDS:
             raise ConfigError(f"cluster.gpu={self.gpu!r} is unknown; choose one of "
-                              f"{sorted(GPU_KINDS)}")
+                              f"{', '.join(sorted(GPU_KINDS))}{closest(self.gpu, GPU_KINDS)}")
         base = GPU_KINDS[self.gpu]
         given = {f: getattr(self, f) for f in ("memory_gib", "peak_tflops", "mfu",
                                               "nvlink_gbs", "network_gbs")}
@@ -212,49 +222,13 @@ def plan(run: RunConfig, cluster: Cluster):
         raise NoFit(
             f"fits on no layout of {cluster.gpus} x {kind.name} ({kind.memory_gib:.1f} GiB, "
             f"{cluster.reserve_gib:.1f} GiB reserve): the smallest need is "
-            f"{_gib(best.peak_bytes)} on pp rank {p.pp_rank} of {best.layout.short()} "
-            f"(weights+grads+optimizer {_gib(p.state_bytes)}, activations "
-            f"{_gib(p.activation_bytes)}, pipeline buffers {_gib(p.p2p_buffer_bytes)}); "
-            f"memory is short by {_gib(best.peak_bytes - budget)} per GPU")
+            f"{gib(best.peak_bytes)} on pp rank {p.pp_rank} of {best.layout.short()} "
+            f"(weights+grads+optimizer {gib(p.state_bytes)}, activations "
+            f"{gib(p.activation_bytes)}, pipeline buffers {gib(p.p2p_buffer_bytes)}); "
+            f"memory is short by {gib(best.peak_bytes - budget)} per GPU")
     return fitting, everyone
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """Bytes as GiB with one decimal."""
     return fmt_bytes(n, "GiB", digits=1)
-
-
-def why_slower(loser: Candidate, winner: Candidate) -> str:
-    if loser.step_seconds <= winner.step_seconds * 1.001:
-        return f"same time, {_gib(loser.peak_bytes - winner.peak_bytes)} more memory"
-    deltas = {k: loser.seconds[k] - winner.seconds[k] for k in TERMS}
-    term = max(deltas, key=deltas.get)
-    return f"+{deltas[term]:.3f} s {term}"
-
-
-def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
-           out: TextIO = sys.stdout) -> Candidate:
-    kind = cluster.kind()
-    fitting, everyone = plan(run, cluster)
-    w = out.write
-    w(f"# depthmix-plan: {run.model.name} mixer={run.mixer.name} on {cluster.gpus} x "
-      f"{kind.name} ({kind.gpus_per_node} a node; {kind.memory_gib:.1f} GiB less "
-      f"{cluster.reserve_gib:.1f} GiB reserve; {kind.peak_tflops:g} TFLOP/s at MFU "
-      f"{kind.mfu:.2f}; NVLink {kind.nvlink_gbs:g} GB/s, network {kind.network_gbs:g} GB/s "
-      f"per GPU)\n")
-    w(f"{len(everyone)} valid layouts, {len(fitting)} fit memory\n\n")
-    w(f"{'layout':<40} {'step s':>8} {'tokens/s':>10} {'peak GiB':>9}  "
-      + " ".join(f"{k:>9}" for k in TERMS) + "  why slower\n")
-    win = fitting[0]
-    for c in fitting[:top]:
-        reason = "chosen" if c is win else why_slower(c, win)
-        w(f"{c.layout.short():<40} {c.step_seconds:>8.3f} {c.tokens_per_s:>10,.0f} "
-          f"{c.peak_bytes / GIB:>9.1f}  " + " ".join(f"{c.seconds[k]:>9.3f}" for k in TERMS)
-          + f"  {reason}\n")
-    too_big = [c for c in everyone if c not in fitting]
-    if too_big:
-        w(f"{len(too_big)} layouts need more than the budget (e.g. "
-          f"{min(too_big, key=lambda c: c.step_seconds).layout.short()}: "
-          f"{_gib(min(too_big, key=lambda c: c.step_seconds).peak_bytes)})\n")
-    w("\nchosen:\n  depthmix-train " + " ".join([*argv, *win.layout.overrides(cluster.gpus)])
-      + "\n")
-    return win
