@@ -83,7 +83,6 @@ def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
     warning = small_batch_warning(run, cluster, win)
     if warning:
         w(f"{warning}\n")
-        print(warning, file=sys.stderr)
     w(f"{len(everyone)} valid layouts, {len(fitting)} fit memory\n\n")
     w(f"{'layout':<40} {'step s':>8} {'tokens/s':>10} {'peak GiB':>9}  "
       + " ".join(f"{k:>9}" for k in TERMS) + "  why slower\n")

@@ -40,7 +40,7 @@ GEMM_HALF_WORK = 2.0e9
 """``b s h (h / tp)`` at which a layer's GEMMs run at half the large-GEMM efficiency."""
 STAGE_SECONDS = 2.0e-4
 """Fixed cost of one micro-batch's forward and backward through one model chunk."""
-BUCKET_PARAMS = 40_000_000
+BUCKET_PARAMS, BUCKET_PARAMS_PER_DP = 40_000_000, 1_000_000
 """Megatron's DDP bucket: ``max(40M, 1M x dp)`` parameters (``DistributedDataParallel``)."""
 
 
@@ -53,7 +53,7 @@ def gemm_efficiency(run: RunConfig, micro_batch: int, tp: int) -> float:
 def bucket_params(run: RunConfig, dp: int) -> int:
     # ``parallel.ddp_bucket_size`` where the config has it (Megatron's --ddp-bucket-size)
     given = getattr(run.parallel, "ddp_bucket_size", None)
-    return given or max(BUCKET_PARAMS, 1_000_000 * dp)
+    return given or max(BUCKET_PARAMS, BUCKET_PARAMS_PER_DP * dp)
 
 
 def _exposed(total: float, window: float, bucket: float) -> float:
