@@ -7,7 +7,7 @@ its own choice's step time.
 
 Rows map onto this codebase's decoder (RMSNorm, SwiGLU): a GELU MLP of width ``4h`` becomes
 a SwiGLU of ``8h/3`` (rounded to 64; the same FLOPs and parameters). FP8 runs are planned
-with the FP8 dense peak (``cluster.peak_tflops=1979``); their memory is not the memory
+with the FP8 dense peak (:data:`FP8_PEAK`); their memory is not the memory
 model's (:func:`compare`).
 """
 
@@ -16,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from depthmix.planning.hardware import H100
 from depthmix.planning.units import GIB
+
+FP8_PEAK = H100.tflops["fp8"]
 
 TOLERANCE = 0.05
 
@@ -64,9 +67,10 @@ class Row:
         return [*self.model, "train.precision=bf16", f"train.global_batch_size={self.global_batch}",
                 "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
 
-    def cluster_overrides(self) -> List[str]:
-        out = [f"cluster.gpus={self.gpus}", f"cluster.gpu={self.gpu}"]
-        return out + (["cluster.peak_tflops=1979"] if self.fp8 else [])
+    def cluster(self):
+        from depthmix.planning.planner import Cluster
+
+        return Cluster(gpus=self.gpus, gpu=self.gpu, peak_tflops=FP8_PEAK if self.fp8 else None)
 
     def published(self) -> str:
         vp = f" vp{self.vp}" if self.vp else ""
@@ -85,16 +89,16 @@ ROWS = (
         global_batch=512, gpus=128, gpu="a100", tp=4, pp=1, published_mfu=0.46),
     Row("GPT3 5B", _NEMO, _model(24, 4096, 32, _swiglu(4096), 51200, 2048),
         global_batch=2048, gpus=64, gpu="h100", tp=1, pp=1, micro_batch=4, fp8=True,
-        published_mfu=765 / 1979),
+        published_mfu=765 / FP8_PEAK),
     Row("Llama 2 7B", _NEMO, _model(32, 4096, 32, 11008, 32000, 4096),
         global_batch=128, gpus=8, gpu="h100", tp=1, pp=1, micro_batch=1, fp8=True,
-        published_mfu=780 / 1979),
+        published_mfu=780 / FP8_PEAK),
     Row("Llama 2 13B", _NEMO, _model(40, 5120, 40, 13824, 32000, 4096),
         global_batch=128, gpus=16, gpu="h100", tp=1, pp=4, vp=10, micro_batch=1, fp8=True,
-        published_mfu=760 / 1979),
+        published_mfu=760 / FP8_PEAK),
     Row("Nemotron 8B", _NEMO, _model(32, 4096, 32, _swiglu(4096 * 4 // 2), 256000, 4096),
         global_batch=256, gpus=64, gpu="h100", tp=2, pp=1, micro_batch=4, fp8=True,
-        published_mfu=643 / 1979),
+        published_mfu=643 / FP8_PEAK),
 )
 
 
@@ -116,19 +120,13 @@ class Comparison:
         return self.ratio <= 1 + TOLERANCE
 
     def predicted_mfu(self, candidate) -> float:
-        from depthmix.cli.command import compose_run
+        from depthmix.config.load import compose_run
         from depthmix.planning.flops import flops_per_token
 
         run = compose_run(*self.row.overrides())
-        kind = _cluster(self.row).kind()
+        kind = self.row.cluster().kind()
         tflops = flops_per_token(run)["train"] * candidate.tokens_per_s / self.row.gpus
         return tflops / (kind.peak_tflops * 1e12)
-
-
-def _cluster(row: Row):
-    from depthmix.cli.plan import split_argv
-
-    return split_argv(row.cluster_overrides())[0]
 
 
 def _matches(lay, row: Row) -> bool:
@@ -141,10 +139,10 @@ def compare(row: Row) -> Comparison:
     Transformer Engine + FP8 row the memory model does not apply (it counts the PyTorch
     attention's saved tensors): the published layout is taken to fit as published (no
     recomputation), and so is every layout that needs no more memory."""
-    from depthmix.cli.command import compose_run
+    from depthmix.config.load import compose_run
     from depthmix.planning import planner
 
-    cluster = _cluster(row)
+    cluster = row.cluster()
     budget = (cluster.kind().memory_gib - cluster.reserve_gib) * GIB
     if row.fp8:
         cluster.memory_gib = 1e6
