@@ -10,8 +10,10 @@ layouts whose every pipeline rank fits the device memory less a reserve
 (:mod:`depthmix.planning.memory`, the dry run's model); and ranks them by one step's time
 (:mod:`depthmix.planning.step_time`: compute at an MFU that falls for small GEMMs, a fixed
 cost per micro-batch and pipeline stage, the pipeline bubble, TP, P2P and the data-parallel
-communication left exposed by ``parallel.overlap_*``). Its assumptions are printed in the
-report's header. Cluster defaults (:data:`GPU_KINDS`) are the device table's peaks, memory
+communication left exposed by ``parallel.overlap_*``); its constants, their sources and
+the calibration against published layouts (:mod:`depthmix.planning.calibration`) are in
+docs/scaling.md. The report (:mod:`depthmix.planning.plan_report`) prints what it assumed
+first. Cluster defaults (:data:`GPU_KINDS`) are the device table's peaks, memory
 and bandwidths (:mod:`depthmix.planning.hardware`) and the MFU of large GEMM-bound layers;
 override any with ``cluster.<field>=``.
 """
