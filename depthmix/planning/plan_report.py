@@ -39,7 +39,9 @@ def assumptions(run: RunConfig, cluster: Cluster) -> List[str]:
         f"{m.seq_length} tokens (model.seq_length); micro-batches tried: {mbs}",
         f"precision: {t.precision} (train.precision); MFU {kind.mfu:.2f} of "
         f"{kind.peak_tflops:g} TFLOP/s for large GEMM-bound layers (cluster.mfu, "
-        f"cluster.peak_tflops)",
+        f"cluster.peak_tflops)" + (" -- the bf16 peak: an fp32 run is slower, plan with "
+                                   "train.precision=bf16 for a cluster run"
+                                   if t.precision == "fp32" else ""),
         f"memory: {kind.memory_gib:.1f} GiB per GPU less a {cluster.reserve_gib:.1f} GiB "
         f"reserve (cluster.memory_gib, cluster.reserve_gib)",
         f"step time: GEMM efficiency w / (w + {step_time.GEMM_HALF_WORK:.0e}), w = b s h "
