@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence, TextIO
 
 from depthmix.config.schema import RunConfig
 from depthmix.planning import step_time
-from depthmix.planning.planner import Candidate, Cluster, gib, plan
+from depthmix.planning.planner import Candidate, Cluster, evaluate, gib, plan
 from depthmix.planning.step_time import TERMS
 from depthmix.planning.units import GIB
 
@@ -73,6 +73,25 @@ def small_batch_warning(run: RunConfig, cluster: Cluster, chosen: Candidate) -> 
             f"1024 sequences) or train.global_batch_size")
 
 
+def overlap_note(run: RunConfig, cluster: Cluster, chosen: Candidate) -> Optional[str]:
+    """What turning on the ``parallel.overlap_*`` options left off would save the chosen
+    layout (None: they are on, or would save under 1% of the step)."""
+    p = run.parallel
+    off = [f"parallel.{name}=true" for name, on in (
+        ("overlap_grad_reduce", p.overlap_grad_reduce),
+        ("overlap_param_gather", p.overlap_param_gather)) if not on]
+    if not off or chosen.layout.dp == 1:
+        return None
+    parallel = dataclasses.replace(p, overlap_grad_reduce=True, overlap_param_gather=True)
+    on = evaluate(dataclasses.replace(run, parallel=parallel), chosen.layout, cluster)
+    saved = chosen.step_seconds - on.step_seconds
+    if saved < 0.01 * chosen.step_seconds:
+        return None
+    return (f"note: {' '.join(off)} would hide {saved:.3f} s of this layout's "
+            f"{chosen.seconds['dp']:.3f} s of data-parallel communication (plan again "
+            "with them: the ranking can change)")
+
+
 def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
            out: TextIO = sys.stdout) -> Candidate:
     fitting, everyone = plan(run, cluster)
@@ -98,6 +117,9 @@ def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
         fastest = min(too_big, key=lambda c: c.step_seconds)
         w(f"{len(too_big)} layouts need more than the budget (e.g. "
           f"{fastest.layout.short()}: {gib(fastest.peak_bytes)})\n")
+    note = overlap_note(run, cluster, win)
+    if note:
+        w(f"{note}\n")
     w("\nchosen:\n  depthmix-train " + " ".join([*argv, *win.layout.overrides(cluster.gpus)])
       + "\n")
     return win

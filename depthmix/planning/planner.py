@@ -193,6 +193,19 @@ def _accepted(run: RunConfig, gpus: int) -> bool:
     return True
 
 
+def evaluate(run: RunConfig, lay: Layout, cluster: Cluster,
+             flops: Optional[float] = None) -> Candidate:
+    """One layout's memory peak and step time (``flops``: training FLOPs per token)."""
+    r = lay.apply(run, cluster.gpus)
+    flops = flops if flops is not None else flops_per_token(run)["train"]
+    ranks = memory.estimate(r, cluster.gpus)
+    peak = max(ranks, key=lambda x: x.total_bytes)
+    seconds = step_time(r, lay, cluster.kind(), ranks, flops, max(x.params for x in ranks),
+                        cluster.gpus)
+    return Candidate(lay, peak.total_bytes, peak, seconds,
+                     r.train.global_batch_size * r.model.seq_length)
+
+
 class NoFit(Exception):
     """No layout fits; the message says what is short."""
 
@@ -203,15 +216,7 @@ def plan(run: RunConfig, cluster: Cluster):
     kind = cluster.kind()
     budget = (kind.memory_gib - cluster.reserve_gib) * GIB
     flops = flops_per_token(run)["train"]
-    everyone = []
-    for lay in layouts(run, cluster):
-        r = lay.apply(run, cluster.gpus)
-        ranks = memory.estimate(r, cluster.gpus)
-        peak = max(ranks, key=lambda x: x.total_bytes)
-        seconds = step_time(r, lay, kind, ranks, flops, max(x.params for x in ranks),
-                            cluster.gpus)
-        everyone.append(Candidate(lay, peak.total_bytes, peak, seconds,
-                                  r.train.global_batch_size * r.model.seq_length))
+    everyone = [evaluate(run, lay, cluster, flops) for lay in layouts(run, cluster)]
     if not everyone:
         raise NoFit(f"no parallel layout of {cluster.gpus} GPUs is valid for this model "
                     f"(heads, layers and train.global_batch_size={run.train.global_batch_size}"

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from depthmix.cli.plan import main as plan_main
+from depthmix.planning import step_time
 from depthmix.runtime import exit_codes
 
 
@@ -58,3 +59,20 @@ def test_no_warning_when_the_batch_fills_every_data_parallel_rank():
     assert plan_main(["model=tiny", "train.global_batch_size=64", "cluster.gpus=8"],
                      out=out) == 0
     assert "warning" not in out.getvalue()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_notes_what_overlap_would_hide_when_it_is_off(overlap, monkeypatch):
+    """Slow GPUs and links, small buckets: the data-parallel communication of the chosen
+    layout is worth hiding, and the note says so only while overlap is off."""
+    monkeypatch.setattr(step_time, "BUCKET_PARAMS", 10_000)
+    monkeypatch.setattr(step_time, "BUCKET_PARAMS_PER_DP", 1)
+    flags = [f"parallel.overlap_grad_reduce={str(overlap).lower()}",
+             f"parallel.overlap_param_gather={str(overlap).lower()}"]
+    out = io.StringIO()
+    assert plan_main(["model=tiny", "train.global_batch_size=64", "cluster.gpus=8",
+                      "cluster.peak_tflops=2", "cluster.nvlink_gbs=0.05", *flags],
+                     out=out) == 0
+    text = out.getvalue()
+    assert ("note: parallel.overlap_grad_reduce=true parallel.overlap_param_gather=true "
+            "would hide" in text) is not overlap
