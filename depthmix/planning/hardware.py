@@ -18,7 +18,7 @@ from typing import Dict, Optional
 class Device:
     name: str
     tflops: Dict[str, float]
-    """Peak TFLOP/s by precision: ``bf16``, ``fp16`` and ``tf32`` on tensor cores,
+    """Peak TFLOP/s by precision: ``bf16``, ``fp16``, ``fp8`` and ``tf32`` on tensor cores,
     ``fp32`` on CUDA cores."""
     memory_gib: Optional[float] = None
     hbm_tb_s: Optional[float] = None
@@ -30,7 +30,7 @@ class Device:
     gpus_per_node: int = 8
 
 
-_HOPPER = {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 67.0}
+_HOPPER = {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 67.0}
 
 # NVLink 4: 900 GB/s both directions; 8 x 400 Gb/s NDR a node.
 H100 = Device("H100 SXM 80GB", _HOPPER, memory_gib=79.6, hbm_tb_s=3.35,

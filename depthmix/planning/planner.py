@@ -7,38 +7,28 @@ Every other override composes the run as ``depthmix-train`` would (model, mixer,
 preset, ...). The planner enumerates tensor/pipeline/virtual/data-parallel sizes, micro
 batch, full recomputation, sequence parallelism and the distributed optimizer; keeps the
 layouts whose every pipeline rank fits the device memory less a reserve
-(:mod:`depthmix.planning.memory`, the dry run's model); and estimates one step's time::
-
-    compute   3 x forward FLOPs x tokens / (gpus x peak x MFU)   (+1 forward with recompute)
-    bubble    compute x (pp - 1) / (vp x micro-batches)          (1F1B / interleaved)
-    tp        per layer and micro-batch 4 all-reduces (2 forward, 2 backward; SP's
-              all-gather + reduce-scatter move the same bytes) of b s h e bytes,
-              2 (tp - 1) / tp of it per GPU over NVLink (+2 with recompute)
-    p2p       per micro-batch and chunk, the transport's wire bytes forward and back, over
-              NVLink when neighbouring stages share a node, else the network
-    dp        gradient all-reduce 2 (dp - 1) / dp x 4 bytes a parameter, or with the
-              distributed optimizer reduce-scatter (4 bytes) + parameter all-gather
-              (weight bytes), (dp - 1) / dp each; over the network when the DP group
-              spans nodes
-
-Nothing is overlapped (Megatron's defaults here: no TP/DP overlap), so the sum is an
-upper bound a tuned run beats; the ranking is what the planner is for. Cluster defaults
-(:data:`GPU_KINDS`) are the device table's peaks, memory and bandwidths
-(:mod:`depthmix.planning.hardware`) and an achievable MFU; override any with
-``cluster.<field>=``.
+(:mod:`depthmix.planning.memory`, the dry run's model); and ranks them by one step's time
+(:mod:`depthmix.planning.step_time`: compute at an MFU that falls for small GEMMs, a fixed
+cost per micro-batch and pipeline stage, the pipeline bubble, TP, P2P and the data-parallel
+communication left exposed by ``parallel.overlap_*``); its constants, their sources and
+the calibration against published layouts (:mod:`depthmix.planning.calibration`) are in
+docs/scaling.md. The report (:mod:`depthmix.planning.plan_report`) prints what it assumed
+first. Cluster defaults (:data:`GPU_KINDS`) are the device table's peaks, memory
+and bandwidths (:mod:`depthmix.planning.hardware`) and the MFU of large GEMM-bound layers;
+override any with ``cluster.<field>=``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, TextIO
+from typing import List, Optional
 
 from depthmix.config.schema import ConfigError, RunConfig
-from depthmix.config.validate import validate
+from depthmix.config.validate import closest, validate
 from depthmix.planning import hardware, memory
 from depthmix.planning.flops import flops_per_token
+from depthmix.planning.step_time import TERMS, step_time
 from depthmix.planning.units import GIB, fmt_bytes
 
 
@@ -64,8 +54,11 @@ class GpuKind:
                    device.nvlink_gbs, device.network_gbs, device.gpus_per_node)
 
 
-GPU_KINDS = {"h100": GpuKind.of(hardware.H100, 0.40), "h200": GpuKind.of(hardware.H200, 0.40),
-             "a100": GpuKind.of(hardware.A100, 0.45)}
+# MFU of large GEMM-bound layers: Megatron-LM README, "up to 47% MFU on H100 clusters";
+# Narayanan et al. 2021 (Efficient Large-Scale Language Model Training on GPU Clusters
+# Using Megatron-LM), Table 1: 52% of an A100's peak at 530B-1T parameters.
+GPU_KINDS = {"h100": GpuKind.of(hardware.H100, 0.47), "h200": GpuKind.of(hardware.H200, 0.47),
+             "a100": GpuKind.of(hardware.A100, 0.52)}
 
 
 @dataclass
@@ -73,21 +66,32 @@ class Cluster:
     """``cluster.*`` overrides of ``depthmix-plan`` (not part of the training config)."""
 
     gpus: int = 8
+    """GPUs of the job."""
     gpu: str = "h100"
+    """GPU kind: its memory, bf16 peak, MFU of large layers and bandwidths (h100, h200,
+    a100)."""
     nodes: Optional[int] = None
-    """Default: ``gpus / gpus_per_node`` rounded up."""
+    """Nodes of the job; default ``gpus / 8`` rounded up. Decides which groups cross the
+    network."""
     reserve_gib: float = memory.RESERVE_GIB
+    """Memory kept free on every GPU (CUDA context, NCCL buffers, fragmentation)."""
     memory_gib: Optional[float] = None
+    """Usable memory per GPU; default the GPU kind's."""
     peak_tflops: Optional[float] = None
+    """Dense peak TFLOP/s per GPU; default the kind's bf16 peak (1979 for H100 FP8)."""
     mfu: Optional[float] = None
+    """MFU that large GEMM-bound layers reach; default the kind's (0.47 H100/H200, 0.52
+    A100). Smaller micro-batches and widths reach less (docs/scaling.md)."""
     nvlink_gbs: Optional[float] = None
+    """GB/s per GPU, one direction, inside a node; default the kind's."""
     network_gbs: Optional[float] = None
+    """GB/s per GPU between nodes; default the kind's (its node's NICs over its GPUs)."""
     micro_batch_sizes: tuple = (1, 2, 4, 8)
 
     def kind(self) -> GpuKind:
         if self.gpu not in GPU_KINDS:
             raise ConfigError(f"cluster.gpu={self.gpu!r} is unknown; choose one of "
-                              f"{sorted(GPU_KINDS)}")
+                              f"{', '.join(sorted(GPU_KINDS))}{closest(self.gpu, GPU_KINDS)}")
         base = GPU_KINDS[self.gpu]
         given = {f: getattr(self, f) for f in ("memory_gib", "peak_tflops", "mfu",
                                               "nvlink_gbs", "network_gbs")}
@@ -134,7 +138,6 @@ class Layout:
                 + (" " + "+".join(flags) if flags else ""))
 
 
-TERMS = ("compute", "recompute", "bubble", "tp", "p2p", "dp")
 
 
 @dataclass
@@ -190,33 +193,17 @@ def _accepted(run: RunConfig, gpus: int) -> bool:
     return True
 
 
-def step_time(run: RunConfig, lay: Layout, kind: GpuKind, ranks, flops_per_token: float,
-              params_per_rank: int, gpus: int) -> dict:
-    """Seconds per step by term (module doc)."""
-    m, t = run.model, run.train
-    e = memory.activation_bytes_of(t.precision)
-    tokens = t.global_batch_size * m.seq_length
-    num_micro = t.global_batch_size // (lay.micro_batch * lay.dp)
-    vp = lay.vp or 1
-    compute = flops_per_token * tokens / (gpus * kind.peak_tflops * 1e12 * kind.mfu)
-    recompute = compute / 3 if lay.recompute == "full" else 0.0
-    bubble = (compute + recompute) * (lay.pp - 1) / (vp * num_micro)
-    layers_here = m.num_layers * m.n_loops // lay.pp
-    collectives = 4 + (2 if lay.recompute == "full" else 0)
-    size = lay.micro_batch * m.seq_length * m.hidden_size * e
-    tp = (layers_here * num_micro * collectives * 2 * (lay.tp - 1) / lay.tp * size
-          / (kind.nvlink_gbs * 1e9))
-    stage_stride = lay.tp * lay.dp  # Megatron's rank order: tp fastest, pp outermost
-    p2p_bw = kind.nvlink_gbs if stage_stride < kind.gpus_per_node else kind.network_gbs
-    wire = max(r.wire_bytes for r in ranks)
-    p2p = num_micro * vp * 2 * wire / (p2p_bw * 1e9) if lay.pp > 1 else 0.0
-    dp_bw = kind.network_gbs if lay.tp * lay.dp > kind.gpus_per_node else kind.nvlink_gbs
-    share = (lay.dp - 1) / lay.dp
-    weights = memory.state_bytes_per_param(t.precision, False, 1)["weights"]
-    per_param = (4 + weights) * share if lay.distributed_optimizer else 2 * 4 * share
-    dp = params_per_rank * per_param / (dp_bw * 1e9)
-    return {"compute": compute, "recompute": recompute, "bubble": bubble, "tp": tp,
-            "p2p": p2p, "dp": dp}
+def evaluate(run: RunConfig, lay: Layout, cluster: Cluster,
+             flops: Optional[float] = None) -> Candidate:
+    """One layout's memory peak and step time (``flops``: training FLOPs per token)."""
+    r = lay.apply(run, cluster.gpus)
+    flops = flops if flops is not None else flops_per_token(run)["train"]
+    ranks = memory.estimate(r, cluster.gpus)
+    peak = max(ranks, key=lambda x: x.total_bytes)
+    seconds = step_time(r, lay, cluster.kind(), ranks, flops, max(x.params for x in ranks),
+                        cluster.gpus)
+    return Candidate(lay, peak.total_bytes, peak, seconds,
+                     r.train.global_batch_size * r.model.seq_length)
 
 
 class NoFit(Exception):
@@ -229,15 +216,7 @@ def plan(run: RunConfig, cluster: Cluster):
     kind = cluster.kind()
     budget = (kind.memory_gib - cluster.reserve_gib) * GIB
     flops = flops_per_token(run)["train"]
-    everyone = []
-    for lay in layouts(run, cluster):
-        r = lay.apply(run, cluster.gpus)
-        ranks = memory.estimate(r, cluster.gpus)
-        peak = max(ranks, key=lambda x: x.total_bytes)
-        seconds = step_time(r, lay, kind, ranks, flops, max(x.params for x in ranks),
-                            cluster.gpus)
-        everyone.append(Candidate(lay, peak.total_bytes, peak, seconds,
-                                  r.train.global_batch_size * r.model.seq_length))
+    everyone = [evaluate(run, lay, cluster, flops) for lay in layouts(run, cluster)]
     if not everyone:
         raise NoFit(f"no parallel layout of {cluster.gpus} GPUs is valid for this model "
                     f"(heads, layers and train.global_batch_size={run.train.global_batch_size}"
@@ -250,49 +229,13 @@ def plan(run: RunConfig, cluster: Cluster):
         raise NoFit(
             f"fits on no layout of {cluster.gpus} x {kind.name} ({kind.memory_gib:.1f} GiB, "
             f"{cluster.reserve_gib:.1f} GiB reserve): the smallest need is "
-            f"{_gib(best.peak_bytes)} on pp rank {p.pp_rank} of {best.layout.short()} "
-            f"(weights+grads+optimizer {_gib(p.state_bytes)}, activations "
-            f"{_gib(p.activation_bytes)}, pipeline buffers {_gib(p.p2p_buffer_bytes)}); "
-            f"memory is short by {_gib(best.peak_bytes - budget)} per GPU")
+            f"{gib(best.peak_bytes)} on pp rank {p.pp_rank} of {best.layout.short()} "
+            f"(weights+grads+optimizer {gib(p.state_bytes)}, activations "
+            f"{gib(p.activation_bytes)}, pipeline buffers {gib(p.p2p_buffer_bytes)}); "
+            f"memory is short by {gib(best.peak_bytes - budget)} per GPU")
     return fitting, everyone
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """Bytes as GiB with one decimal."""
     return fmt_bytes(n, "GiB", digits=1)
-
-
-def why_slower(loser: Candidate, winner: Candidate) -> str:
-    if loser.step_seconds <= winner.step_seconds * 1.001:
-        return f"same time, {_gib(loser.peak_bytes - winner.peak_bytes)} more memory"
-    deltas = {k: loser.seconds[k] - winner.seconds[k] for k in TERMS}
-    term = max(deltas, key=deltas.get)
-    return f"+{deltas[term]:.3f} s {term}"
-
-
-def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
-           out: TextIO = sys.stdout) -> Candidate:
-    kind = cluster.kind()
-    fitting, everyone = plan(run, cluster)
-    w = out.write
-    w(f"# depthmix-plan: {run.model.name} mixer={run.mixer.name} on {cluster.gpus} x "
-      f"{kind.name} ({kind.gpus_per_node} a node; {kind.memory_gib:.1f} GiB less "
-      f"{cluster.reserve_gib:.1f} GiB reserve; {kind.peak_tflops:g} TFLOP/s at MFU "
-      f"{kind.mfu:.2f}; NVLink {kind.nvlink_gbs:g} GB/s, network {kind.network_gbs:g} GB/s "
-      f"per GPU)\n")
-    w(f"{len(everyone)} valid layouts, {len(fitting)} fit memory\n\n")
-    w(f"{'layout':<40} {'step s':>8} {'tokens/s':>10} {'peak GiB':>9}  "
-      + " ".join(f"{k:>9}" for k in TERMS) + "  why slower\n")
-    win = fitting[0]
-    for c in fitting[:top]:
-        reason = "chosen" if c is win else why_slower(c, win)
-        w(f"{c.layout.short():<40} {c.step_seconds:>8.3f} {c.tokens_per_s:>10,.0f} "
-          f"{c.peak_bytes / GIB:>9.1f}  " + " ".join(f"{c.seconds[k]:>9.3f}" for k in TERMS)
-          + f"  {reason}\n")
-    too_big = [c for c in everyone if c not in fitting]
-    if too_big:
-        w(f"{len(too_big)} layouts need more than the budget (e.g. "
-          f"{min(too_big, key=lambda c: c.step_seconds).layout.short()}: "
-          f"{_gib(min(too_big, key=lambda c: c.step_seconds).peak_bytes)})\n")
-    w("\nchosen:\n  depthmix-train " + " ".join([*argv, *win.layout.overrides(cluster.gpus)])
-      + "\n")
-    return win

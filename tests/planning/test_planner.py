@@ -10,6 +10,7 @@ from depthmix.cli.train import dry_run
 from depthmix.config.load import compose_run
 from depthmix.planning import flops as acc
 from depthmix.planning import planner as plan
+from depthmix.planning import step_time
 from depthmix.runtime import exit_codes
 
 TINY = ["model=tiny", "train.global_batch_size=8", "train.precision=bf16"]
@@ -26,21 +27,27 @@ def test_refuses_a_model_that_fits_nowhere_naming_the_shortfall(capsys):
 
 def _hand_times(cluster: plan.Cluster):
     """Step seconds of pure DP2 and of PP2 (one GPU a node: no TP), from first principles:
-    DP2 with the distributed optimizer reduce-scatters 4-byte gradients and all-gathers
-    2-byte bf16 parameters, (dp-1)/dp of each per GPU, over the network (cheaper than an
-    all-reduce's 2 x 4 x (dp-1)/dp); PP2
-    idles (pp-1)/m of the compute and sends each micro-batch's hidden state (b s h x 2
-    bytes) forward and its gradient back over the network."""
+    compute at the MFU of large layers times the GEMM efficiency w / (w + w_half) of a
+    micro-batch (w = b s h h) plus a fixed cost per micro-batch and stage; DP2 with the
+    distributed optimizer reduce-scatters 4-byte gradients and all-gathers 2-byte bf16
+    parameters, (dp-1)/dp of each per GPU, over the network (cheaper than an all-reduce's
+    2 x 4 x (dp-1)/dp); PP2 idles (pp-1)/m of the compute and stage costs and sends each
+    micro-batch's hidden state (b s h x 2 bytes) forward and its gradient back over the
+    network."""
     run = compose_run(*TINY)
     m, t = run.model, run.train
     kind = cluster.kind()
+    w = 1 * m.seq_length * m.hidden_size * m.hidden_size
+    eta = w / (w + step_time.GEMM_HALF_WORK)
     compute = (acc.flops_per_token(run)["train"] * t.global_batch_size * m.seq_length
-               / (2 * kind.peak_tflops * 1e12 * kind.mfu))
+               / (2 * kind.peak_tflops * 1e12 * kind.mfu * eta))
     dp_bytes = acc.total_params(run) * (4 + 2) * (1 / 2)
-    dp2 = compute + dp_bytes / (kind.network_gbs * 1e9)
+    dp2 = compute + (t.global_batch_size // 2) * step_time.STAGE_SECONDS \
+        + dp_bytes / (kind.network_gbs * 1e9)
     micro = t.global_batch_size  # micro batch 1, one pipeline
     p2p = micro * 2 * (1 * m.seq_length * m.hidden_size * 2) / (kind.network_gbs * 1e9)
-    pp2 = compute + compute * (2 - 1) / micro + p2p
+    stage = micro * step_time.STAGE_SECONDS
+    pp2 = compute + stage + (compute + stage) * (2 - 1) / micro + p2p
     return dp2, pp2
 
 
@@ -54,6 +61,45 @@ def test_picks_the_layout_a_hand_calculation_says_is_fastest(network_gbs):
     assert (best.layout.dp, best.layout.pp) == ((2, 1) if expected == "dp" else (1, 2))
     assert best.layout.recompute == "none"  # recomputation only adds time
     assert best.step_seconds == pytest.approx(min(dp2, pp2), rel=0.02)
+
+
+def test_larger_micro_batches_run_closer_to_the_large_gemm_mfu():
+    """The same layout at micro-batch 1 and 4: compute scales with 1 / eta, and the fixed
+    per-micro-batch cost with the number of micro-batches."""
+    cluster = plan.Cluster(gpus=1, micro_batch_sizes=(1, 4))
+    run = compose_run(*TINY)
+    _, everyone = plan.plan(run, cluster)
+    by_mb = {c.layout.micro_batch: c for c in everyone if c.layout.recompute == "none"}
+    w = run.model.seq_length * run.model.hidden_size ** 2
+    eta = {b: b * w / (b * w + step_time.GEMM_HALF_WORK) for b in (1, 4)}
+    assert by_mb[1].seconds["compute"] / by_mb[4].seconds["compute"] == \
+        pytest.approx(eta[4] / eta[1], rel=1e-6)
+    assert by_mb[1].seconds["stage"] == pytest.approx(4 * by_mb[4].seconds["stage"])
+    assert by_mb[1].step_seconds > by_mb[4].step_seconds
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_leaves_the_last_bucket_and_what_backward_cannot_hide(overlap, monkeypatch):
+    """DP2 over two nodes, gradients all-reduced (no distributed optimizer): without
+    overlap the whole all-reduce is exposed; with it, what exceeds the last micro-batch's
+    backward, but never less than one bucket."""
+    monkeypatch.setattr(step_time, "BUCKET_PARAMS", 10_000)
+    monkeypatch.setattr(step_time, "BUCKET_PARAMS_PER_DP", 1)
+    run = compose_run(*TINY, f"parallel.overlap_grad_reduce={str(overlap).lower()}")
+    for network_gbs in (1e-3, 1e6):  # communication far slower / far faster than compute
+        cluster = plan.Cluster(gpus=2, nodes=2, network_gbs=network_gbs, micro_batch_sizes=(1,))
+        _, everyone = plan.plan(run, cluster)
+        dp2 = next(c for c in everyone if c.layout.dp == 2 and c.layout.recompute == "none"
+                   and not c.layout.distributed_optimizer)
+        params = acc.total_params(run)
+        bw = network_gbs * 1e9
+        reduce = params * 2 * 4 * (1 / 2) / bw
+        backward = dp2.seconds["compute"] * 2 / 3 / (run.train.global_batch_size // 2)
+        bucket = 10_000 * 2 * 4 * (1 / 2) / bw
+        expected = max(bucket, reduce - backward) if overlap else reduce
+        assert dp2.seconds["dp"] == pytest.approx(expected, rel=1e-6)
+        if overlap and network_gbs > 1:
+            assert dp2.seconds["dp"] < reduce  # hidden behind backward
 
 
 def test_printed_overrides_compose_and_pass_the_dry_run():

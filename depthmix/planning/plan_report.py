@@ -1,0 +1,125 @@
+"""What ``depthmix-plan`` prints: what it assumed, the fastest layouts with each step-time
+term and why each loser lost, and the chosen layout as ``depthmix-train`` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import List, Optional, Sequence, TextIO
+
+from depthmix.config.schema import RunConfig
+from depthmix.planning import step_time
+from depthmix.planning.planner import Candidate, Cluster, evaluate, gib, plan
+from depthmix.planning.step_time import TERMS
+from depthmix.planning.units import GIB
+
+
+def why_slower(loser: Candidate, winner: Candidate) -> str:
+    if loser.step_seconds <= winner.step_seconds * 1.001:
+        return f"same time, {gib(loser.peak_bytes - winner.peak_bytes)} more memory"
+    deltas = {k: loser.seconds[k] - winner.seconds[k] for k in TERMS}
+    term = max(deltas, key=deltas.get)
+    return f"+{deltas[term]:.3f} s {term}"
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def assumptions(run: RunConfig, cluster: Cluster) -> List[str]:
+    """The inputs the ranking rests on, each with the option that changes it."""
+    kind, m, t, p = cluster.kind(), run.model, run.train, run.parallel
+    nodes = -(-cluster.gpus // kind.gpus_per_node)
+    mbs = ", ".join(str(b) for b in cluster.micro_batch_sizes)
+    return [
+        f"cluster: {cluster.gpus} x {kind.name}, {nodes} node(s) of {kind.gpus_per_node} "
+        f"(cluster.gpus, cluster.gpu, cluster.nodes); NVLink {kind.nvlink_gbs:g} GB/s, "
+        f"network {kind.network_gbs:g} GB/s per GPU (cluster.nvlink_gbs, cluster.network_gbs)",
+        f"batch: {t.global_batch_size} sequences a step (train.global_batch_size) of "
+        f"{m.seq_length} tokens (model.seq_length); micro-batches tried: {mbs}",
+        f"precision: {t.precision} (train.precision); MFU {kind.mfu:.2f} of "
+        f"{kind.peak_tflops:g} TFLOP/s for large GEMM-bound layers (cluster.mfu, "
+        f"cluster.peak_tflops)" + (" -- the bf16 peak: an fp32 run is slower, plan with "
+                                   "train.precision=bf16 for a cluster run"
+                                   if t.precision == "fp32" else ""),
+        f"memory: {kind.memory_gib:.1f} GiB per GPU less a {cluster.reserve_gib:.1f} GiB "
+        f"reserve (cluster.memory_gib, cluster.reserve_gib)",
+        f"step time: GEMM efficiency w / (w + {step_time.GEMM_HALF_WORK:.0e}), w = b s h "
+        f"(h / tp); {step_time.STAGE_SECONDS * 1e3:g} ms per micro-batch and pipeline chunk; "
+        f"DP gradient reduction overlapped with backward: {_on(p.overlap_grad_reduce)} "
+        f"(parallel.overlap_grad_reduce), parameter gather with forward: "
+        f"{_on(p.overlap_param_gather)} (parallel.overlap_param_gather); TP and P2P "
+        "communication not overlapped",
+    ]
+
+
+def small_batch_warning(run: RunConfig, cluster: Cluster, chosen: Candidate) -> Optional[str]:
+    """A warning when the global batch is smaller than one micro-batch per data-parallel
+    rank of the layout the planner would choose with a batch of ``gpus x 8`` sequences: the
+    batch, not the cluster, then decides the plan."""
+    batch = run.train.global_batch_size
+    if batch >= cluster.gpus * max(cluster.micro_batch_sizes):
+        return None
+    larger = cluster.gpus * max(cluster.micro_batch_sizes)
+    train = dataclasses.replace(run.train, global_batch_size=larger)
+    best = plan(dataclasses.replace(run, train=train), cluster)[0][0]
+    need = best.layout.dp * best.layout.micro_batch
+    if need <= batch:
+        return None
+    return (f"warning: train.global_batch_size={batch} is smaller than one micro-batch per "
+            f"data-parallel rank of the best layout for this cluster "
+            f"({best.layout.short()}: {need} sequences a step), so the plan is "
+            f"{chosen.layout.short()}; pass the train preset you will run (train=paper: "
+            f"1024 sequences) or train.global_batch_size")
+
+
+def overlap_note(run: RunConfig, cluster: Cluster, chosen: Candidate) -> Optional[str]:
+    """What turning on the ``parallel.overlap_*`` options left off would save the chosen
+    layout (None: they are on, or would save under 1% of the step)."""
+    p = run.parallel
+    off = [f"parallel.{name}=true" for name, on in (
+        ("overlap_grad_reduce", p.overlap_grad_reduce),
+        ("overlap_param_gather", p.overlap_param_gather)) if not on]
+    if not off or chosen.layout.dp == 1:
+        return None
+    parallel = dataclasses.replace(p, overlap_grad_reduce=True, overlap_param_gather=True)
+    on = evaluate(dataclasses.replace(run, parallel=parallel), chosen.layout, cluster)
+    saved = chosen.step_seconds - on.step_seconds
+    if saved < 0.01 * chosen.step_seconds:
+        return None
+    return (f"note: {' '.join(off)} would hide {saved:.3f} s of this layout's "
+            f"{chosen.seconds['dp']:.3f} s of data-parallel communication (plan again "
+            "with them: the ranking can change)")
+
+
+def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
+           out: TextIO = sys.stdout) -> Candidate:
+    fitting, everyone = plan(run, cluster)
+    w = out.write
+    w(f"# depthmix-plan: {run.model.name} mixer={run.mixer.name} on {cluster.gpus} x "
+      f"{cluster.kind().name}\n")
+    for line in assumptions(run, cluster):
+        w(f"#   {line}\n")
+    win = fitting[0]
+    warning = small_batch_warning(run, cluster, win)
+    if warning:
+        w(f"{warning}\n")
+    w(f"{len(everyone)} valid layouts, {len(fitting)} fit memory\n\n")
+    w(f"{'layout':<40} {'step s':>8} {'tokens/s':>10} {'peak GiB':>9}  "
+      + " ".join(f"{k:>9}" for k in TERMS) + "  why slower\n")
+    for c in fitting[:top]:
+        reason = "chosen" if c is win else why_slower(c, win)
+        w(f"{c.layout.short():<40} {c.step_seconds:>8.3f} {c.tokens_per_s:>10,.0f} "
+          f"{c.peak_bytes / GIB:>9.1f}  " + " ".join(f"{c.seconds[k]:>9.3f}" for k in TERMS)
+          + f"  {reason}\n")
+    too_big = [c for c in everyone if c not in fitting]
+    if too_big:
+        fastest = min(too_big, key=lambda c: c.step_seconds)
+        w(f"{len(too_big)} layouts need more than the budget (e.g. "
+          f"{fastest.layout.short()}: {gib(fastest.peak_bytes)})\n")
+    note = overlap_note(run, cluster, win)
+    if note:
+        w(f"{note}\n")
+    w("\nchosen:\n  depthmix-train " + " ".join([*argv, *win.layout.overrides(cluster.gpus)])
+      + "\n")
+    return win

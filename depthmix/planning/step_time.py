@@ -1,0 +1,111 @@
+"""One training step's time on a parallel layout: the cost model ``depthmix-plan`` ranks
+layouts by (:mod:`depthmix.planning.planner`). Terms, per step, on the slowest rank::
+
+    compute   3 x forward FLOPs x tokens / (gpus x peak x MFU x eta)   (+1 forward with
+              full recomputation). eta, the GEMM efficiency of one micro-batch, falls
+              when a layer's GEMMs are small:  eta = w / (w + GEMM_HALF_WORK),
+              w = b s h (h / tp)  (tokens x hidden x hidden shard of a micro-batch)
+    stage     STAGE_SECONDS per micro-batch and model chunk on a rank (launches, the
+              schedule, P2P hand-shakes): micro-batches x vp
+    bubble    (compute + recompute + stage) x (pp - 1) / (vp x micro-batches)
+    tp        per layer and micro-batch 4 all-reduces (2 forward, 2 backward; SP's
+              all-gather + reduce-scatter move the same bytes) of b s h e bytes,
+              2 (tp - 1) / tp of it per GPU over NVLink (+2 with recompute); not overlapped
+    p2p       per micro-batch and chunk, the transport's wire bytes forward and back, over
+              NVLink when neighbouring stages share a node, else the network
+    dp        gradient all-reduce 2 (dp - 1) / dp x 4 bytes a parameter, or with the
+              distributed optimizer reduce-scatter (4 bytes) + parameter all-gather
+              (weight bytes), (dp - 1) / dp each; over the network when the DP group
+              spans nodes. With ``parallel.overlap_grad_reduce`` the reduction runs in
+              buckets during the last micro-batch's backward (Megatron accumulates the
+              others locally): exposed = max(last bucket, reduction - that backward).
+              With ``parallel.overlap_param_gather`` (distributed optimizer) the gather
+              runs during the first micro-batch's forward: exposed = max(first bucket,
+              gather - that forward). Buckets: ``max(40M, 1M x dp)`` parameters,
+              Megatron's DDP default.
+
+MFU here is what large, GEMM-bound layers reach (:data:`depthmix.planning.planner.GPU_KINDS`);
+eta and the stage cost are what make micro-batch 1 and two-layer pipeline stages lose.
+Constants and their sources: docs/scaling.md, "The step-time model".
+"""
+
+from __future__ import annotations
+
+from depthmix.config.schema import RunConfig
+from depthmix.planning import memory
+
+TERMS = ("compute", "recompute", "stage", "bubble", "tp", "p2p", "dp")
+
+GEMM_HALF_WORK = 2.0e9
+"""``b s h (h / tp)`` at which a layer's GEMMs run at half the large-GEMM efficiency."""
+STAGE_SECONDS = 2.0e-4
+"""Fixed cost of one micro-batch's forward and backward through one model chunk."""
+BUCKET_PARAMS, BUCKET_PARAMS_PER_DP = 40_000_000, 1_000_000
+"""Megatron's DDP bucket: ``max(40M, 1M x dp)`` parameters (``DistributedDataParallel``)."""
+
+
+def gemm_efficiency(run: RunConfig, micro_batch: int, tp: int) -> float:
+    m = run.model
+    work = micro_batch * m.seq_length * m.hidden_size * m.hidden_size / tp
+    return work / (work + GEMM_HALF_WORK)
+
+
+def bucket_params(run: RunConfig, dp: int) -> int:
+    # ``parallel.ddp_bucket_size`` where the config has it (Megatron's --ddp-bucket-size)
+    given = getattr(run.parallel, "ddp_bucket_size", None)
+    return given or max(BUCKET_PARAMS, BUCKET_PARAMS_PER_DP * dp)
+
+
+def _exposed(total: float, window: float, bucket: float) -> float:
+    return max(min(total, bucket), total - window)
+
+
+def step_time(run: RunConfig, lay, kind, ranks, flops_per_token: float, params_per_rank: int,
+              gpus: int) -> dict:
+    """Seconds per step by :data:`TERMS` (module doc). ``lay``: the planner's layout,
+    ``kind``: its GPU kind, ``ranks``: the memory model's pipeline ranks."""
+    m, t, p = run.model, run.train, run.parallel
+    e = memory.activation_bytes_of(t.precision)
+    tokens = t.global_batch_size * m.seq_length
+    num_micro = t.global_batch_size // (lay.micro_batch * lay.dp)
+    vp = lay.vp or 1
+    eta = gemm_efficiency(run, lay.micro_batch, lay.tp)
+    compute = flops_per_token * tokens / (gpus * kind.peak_tflops * 1e12 * kind.mfu * eta)
+    recompute = compute / 3 if lay.recompute == "full" else 0.0
+    stage = num_micro * vp * STAGE_SECONDS
+    bubble = (compute + recompute + stage) * (lay.pp - 1) / (vp * num_micro)
+    layers_here = m.num_layers * m.n_loops // lay.pp
+    collectives = 4 + (2 if lay.recompute == "full" else 0)
+    size = lay.micro_batch * m.seq_length * m.hidden_size * e
+    tp = (layers_here * num_micro * collectives * 2 * (lay.tp - 1) / lay.tp * size
+          / (kind.nvlink_gbs * 1e9))
+    stage_stride = lay.tp * lay.dp  # Megatron's rank order: tp fastest, pp outermost
+    p2p_bw = kind.nvlink_gbs if stage_stride < kind.gpus_per_node else kind.network_gbs
+    wire = max(r.wire_bytes for r in ranks)
+    p2p = num_micro * vp * 2 * wire / (p2p_bw * 1e9) if lay.pp > 1 else 0.0
+    dp = _dp_seconds(run, lay, kind, params_per_rank, (compute + recompute) / num_micro)
+    return {"compute": compute, "recompute": recompute, "stage": stage, "bubble": bubble,
+            "tp": tp, "p2p": p2p, "dp": dp}
+
+
+def _dp_seconds(run: RunConfig, lay, kind, params: int, per_micro: float) -> float:
+    """Exposed data-parallel communication (module doc); ``per_micro``: one micro-batch's
+    forward + backward compute on a rank."""
+    if lay.dp == 1:
+        return 0.0
+    p = run.parallel
+    bw = (kind.network_gbs if lay.tp * lay.dp > kind.gpus_per_node else kind.nvlink_gbs) * 1e9
+    share = (lay.dp - 1) / lay.dp
+    weights = memory.state_bytes_per_param(run.train.precision, False, 1)["weights"]
+    grad_bytes = 4 * share if lay.distributed_optimizer else 2 * 4 * share
+    reduce = params * grad_bytes / bw
+    bucket = min(params, bucket_params(run, lay.dp))
+    backward = per_micro * 2 / 3
+    if p.overlap_grad_reduce:
+        reduce = _exposed(reduce, backward, bucket * grad_bytes / bw)
+    if not lay.distributed_optimizer:
+        return reduce
+    gather = params * weights * share / bw
+    if p.overlap_param_gather:
+        gather = _exposed(gather, per_micro / 3, bucket * weights * share / bw)
+    return reduce + gather
