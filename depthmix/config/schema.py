@@ -112,6 +112,26 @@ class ParallelConfig:
     seed gives the same model at every TP/PP layout (slower start-up at 3B scale)."""
 
 
+@dataclass(frozen=True)
+class Overlap:
+    grad_reduce: bool
+    param_gather: bool
+
+
+def overlap_at(parallel: ParallelConfig, dp: int,
+               distributed_optimizer: Optional[bool] = None) -> Overlap:
+    """What ``parallel``'s overlap options mean at data-parallel size ``dp`` (None: on when it
+    helps: gradients when there are replicas to reduce over, parameters when the distributed
+    optimizer has shards to gather). The trainer and the planner both read them here."""
+    distopt = parallel.distributed_optimizer if distributed_optimizer is None \
+        else distributed_optimizer
+    grad = parallel.overlap_grad_reduce
+    grad = dp > 1 if grad is None else grad
+    param = parallel.overlap_param_gather
+    param = grad and distopt if param is None else param
+    return Overlap(grad_reduce=bool(grad), param_gather=bool(param))
+
+
 @dataclass
 class DataConfig:
     name: str = "embedded"

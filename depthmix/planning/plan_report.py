@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from typing import List, Optional, Sequence, TextIO
 
-from depthmix.config.schema import RunConfig
+from depthmix.config.schema import RunConfig, overlap_at
 from depthmix.planning import step_time
 from depthmix.planning.planner import Candidate, Cluster, evaluate, gib, plan
 from depthmix.planning.step_time import TERMS
@@ -22,8 +22,8 @@ def why_slower(loser: Candidate, winner: Candidate) -> str:
     return f"+{deltas[term]:.3f} s {term}"
 
 
-def _on(flag: bool) -> str:
-    return "on" if flag else "off"
+def _on(flag: Optional[bool], auto: str) -> str:
+    return auto if flag is None else ("on" if flag else "off")
 
 
 def assumptions(run: RunConfig, cluster: Cluster) -> List[str]:
@@ -46,9 +46,11 @@ def assumptions(run: RunConfig, cluster: Cluster) -> List[str]:
         f"reserve (cluster.memory_gib, cluster.reserve_gib)",
         f"step time: GEMM efficiency w / (w + {step_time.GEMM_HALF_WORK:.0e}), w = b s h "
         f"(h / tp); {step_time.STAGE_SECONDS * 1e3:g} ms per micro-batch and pipeline chunk; "
-        f"DP gradient reduction overlapped with backward: {_on(p.overlap_grad_reduce)} "
-        f"(parallel.overlap_grad_reduce), parameter gather with forward: "
-        f"{_on(p.overlap_param_gather)} (parallel.overlap_param_gather); TP and P2P "
+        f"DP gradient reduction overlapped with backward: "
+        f"{_on(p.overlap_grad_reduce, 'on at DP > 1')} (parallel.overlap_grad_reduce), "
+        f"parameter gather with forward: "
+        f"{_on(p.overlap_param_gather, 'on with the distributed optimizer')} "
+        f"(parallel.overlap_param_gather); TP and P2P "
         "communication not overlapped",
     ]
 
@@ -76,10 +78,11 @@ def small_batch_warning(run: RunConfig, cluster: Cluster, chosen: Candidate) -> 
 def overlap_note(run: RunConfig, cluster: Cluster, chosen: Candidate) -> Optional[str]:
     """What turning on the ``parallel.overlap_*`` options left off would save the chosen
     layout (None: they are on, or would save under 1% of the step)."""
-    p = run.parallel
+    p, lay = run.parallel, chosen.layout
+    now = overlap_at(p, lay.dp, lay.distributed_optimizer)
     off = [f"parallel.{name}=true" for name, on in (
-        ("overlap_grad_reduce", p.overlap_grad_reduce),
-        ("overlap_param_gather", p.overlap_param_gather)) if not on]
+        ("overlap_grad_reduce", now.grad_reduce),
+        ("overlap_param_gather", now.param_gather or not lay.distributed_optimizer)) if not on]
     if not off or chosen.layout.dp == 1:
         return None
     parallel = dataclasses.replace(p, overlap_grad_reduce=True, overlap_param_gather=True)

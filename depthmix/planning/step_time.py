@@ -31,7 +31,7 @@ Constants and their sources: docs/scaling.md, "The step-time model".
 
 from __future__ import annotations
 
-from depthmix.config.schema import RunConfig
+from depthmix.config.schema import RunConfig, overlap_at
 from depthmix.planning import memory
 
 TERMS = ("compute", "recompute", "stage", "bubble", "tp", "p2p", "dp")
@@ -101,11 +101,12 @@ def _dp_seconds(run: RunConfig, lay, kind, params: int, per_micro: float) -> flo
     reduce = params * grad_bytes / bw
     bucket = min(params, bucket_params(run, lay.dp))
     backward = per_micro * 2 / 3
-    if p.overlap_grad_reduce:
+    overlap = overlap_at(p, lay.dp, lay.distributed_optimizer)
+    if overlap.grad_reduce:
         reduce = _exposed(reduce, backward, bucket * grad_bytes / bw)
     if not lay.distributed_optimizer:
         return reduce
     gather = params * weights * share / bw
-    if p.overlap_param_gather:
+    if overlap.param_gather:
         gather = _exposed(gather, per_micro / 3, bucket * weights * share / bw)
     return reduce + gather

@@ -30,22 +30,12 @@ from typing import List, Optional
 
 from megatron.core.distributed import DistributedDataParallelConfig
 
-
-@dataclass(frozen=True)
-class Overlap:
-    grad_reduce: bool
-    param_gather: bool
+from depthmix.config.schema import Overlap, overlap_at
 
 
 def settings(parallel, dp: int) -> Overlap:
-    """What ``parallel`` asks for at data-parallel size ``dp`` (None: on when it helps:
-    gradients when there are data-parallel replicas to reduce over, parameters when the
-    distributed optimizer has shards to gather)."""
-    grad = parallel.overlap_grad_reduce
-    grad = dp > 1 if grad is None else grad
-    param = parallel.overlap_param_gather
-    param = grad and parallel.distributed_optimizer if param is None else param
-    return Overlap(grad_reduce=bool(grad), param_gather=bool(param))
+    """What ``parallel`` asks for at data-parallel size ``dp`` (config.schema.overlap_at)."""
+    return overlap_at(parallel, dp)
 
 
 def resolve(parallel, dp: int) -> Overlap:
