@@ -34,6 +34,8 @@ _MIXERS = os.path.join(_PACKAGE, "mixers")
 GROUP_SCHEMAS = {"model": "ModelConfig", "parallel": "ParallelConfig", "data": "DataConfig",
                  "train": "TrainConfig", "logger": "LoggerConfig"}
 """Config groups backed by a dataclass of :mod:`depthmix.config.schema` (``mixer``: per method)."""
+CHECKED_SCHEMAS = {**GROUP_SCHEMAS, "eval": "EvalConfig"}
+"""Groups whose option names an override is checked against (``eval``: depthmix-eval's)."""
 TOP_LEVEL_KEYS = ("output_dir",)
 
 
@@ -101,7 +103,7 @@ def class_options(path: str, cls: str) -> List[Option]:
 
 
 def schema_options(group: str) -> List[Option]:
-    return class_options(_SCHEMA, GROUP_SCHEMAS[group])
+    return class_options(_SCHEMA, CHECKED_SCHEMAS[group])
 
 
 def mixer_classes() -> Dict[str, Tuple[str, str]]:
@@ -234,7 +236,7 @@ def diagnose(parsed, compose) -> Optional[str]:
         if head not in known_groups:
             names = [*known_groups, *TOP_LEVEL_KEYS]
             return f"{key}: {head} is not a config group{closest(head, names)}"
-        if head not in GROUP_SCHEMAS and head != "mixer":
+        if head not in CHECKED_SCHEMAS and head != "mixer":
             continue
         field = rest.split(".")[0]
         mixer = _chosen_mixer(parsed, compose) if head == "mixer" else None

@@ -78,6 +78,7 @@ def log_wandb(job, results: dict) -> Optional[str]:
     import wandb
 
     from depthmix.checkpoint.store import read_run_id
+    from depthmix.pretrain.callbacks.wandb import _settings
 
     group = read_run_id(os.path.dirname(job.checkpoint))
     directory = lg.dir or job.run.output_dir
@@ -87,7 +88,7 @@ def log_wandb(job, results: dict) -> Optional[str]:
                      mode=lg.mode, group=group, job_type="eval", tags=list(lg.tags) or None,
                      config={k: v for k, v in results.items()
                              if k not in ("datasets", "pooled", "tasks")},
-                     settings=wandb.Settings(console="off"))
+                     settings=_settings(wandb, verbose=False))  # no banner
     metrics: dict = {}
     tasks = results.get("tasks") or {}
     for name_, tree in [*results.get("datasets", {}).items(),
