@@ -15,7 +15,6 @@ plumbing; CPU times say nothing about GPU kernels.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -24,6 +23,7 @@ from typing import Callable, List
 import torch
 
 from depthmix import kernels
+from depthmix.cli.command import ArgumentParser, DefaultsFormatter
 
 def _sync():
     if torch.cuda.is_available():
@@ -57,7 +57,7 @@ def measure(fn: Callable, make_inputs: Callable, backward: bool, reps: int, warm
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=DefaultsFormatter)
     p.add_argument("--ops", default=",".join(kernels.ops()), help="comma list (default: all)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)

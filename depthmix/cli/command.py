@@ -49,7 +49,8 @@ def command(main: Optional[Callable[..., Optional[int]]] = None, *,
 
 def compose_run(*overrides: str):
     """:func:`depthmix.config.load.compose_run`, with what Hydra refuses (an unknown key or
-    group choice, bad syntax) as a :class:`ConfigError` naming it in one line."""
+    group choice, bad syntax) as a :class:`ConfigError` naming it and the closest valid
+    name in one line."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -58,6 +59,9 @@ def compose_run(*overrides: str):
     try:
         return compose(*overrides)
     except (HydraException, OmegaConfBaseException) as e:
+        from depthmix.cli.overrides import compose_points
+
+        compose_points(overrides)  # raises naming the closest valid names where it can
         raise ConfigError(str(e).strip().splitlines()[0]) from None
 
 
@@ -68,7 +72,12 @@ def _fill(text: str) -> str:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose usage error is one line naming the closest valid option of a typo
-    (``--tempreature`` -> ``--temperature``), with status 2."""
+    (``--tempreature`` -> ``--temperature``), with status 2; option names are exact (no
+    abbreviations: ``--prefil`` is a typo, not ``--prefill``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         hint = ""
@@ -82,13 +91,14 @@ class ArgumentParser(argparse.ArgumentParser):
                   "options)\n")
 
 
-class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter,
+class DefaultsFormatter(argparse.RawDescriptionHelpFormatter,
                          argparse.ArgumentDefaultsHelpFormatter):
     """Each option's help ends with its default (unless the help states it already)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == [] or action.default is argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
 
@@ -105,7 +115,7 @@ def argument_parser(prog: str, description: str, *epilog: str) -> argparse.Argum
     return ArgumentParser(
         prog=prog, description=_fill(description),
         epilog="\n\n".join(_fill(p) for p in (*epilog, exit_codes.HELP)),
-        formatter_class=_DefaultsFormatter)
+        formatter_class=DefaultsFormatter)
 
 
 def require_path(path: Optional[str], option: str, kind: str = "file") -> str:
@@ -122,8 +132,9 @@ def require_path(path: Optional[str], option: str, kind: str = "file") -> str:
     found = {"file": os.path.isfile, "dir": os.path.isdir, "any": os.path.exists,
              "glob": lambda p: any(os.path.isfile(f) for f in glob.glob(p))}[kind](full)
     if not path or not found:
-        what = {"dir": "directory", "glob": "file matches"}.get(kind, "file")
-        raise ConfigError(f"{option}={path}: no such {what}")
+        if kind == "glob" and glob.has_magic(full):
+            raise ConfigError(f"{option}={path} matches no files")
+        raise ConfigError(f"{option}={path}: no such {'directory' if kind == 'dir' else 'file'}")
     return full
 
 

@@ -260,7 +260,7 @@ def run_job(job: EvalJob) -> dict:
         if datasets:
             print(report.table(datasets), flush=True)
         print(f"results written to {job.output}", flush=True)
-        run_id = report.log_wandb(job, results)
-        if run_id:
-            print(f"W&B run {run_id} ({job.run.logger.mode})", flush=True)
+        wandb_line = report.log_wandb(job, results)
+        if wandb_line:
+            print(wandb_line, flush=True)
     return results
