@@ -119,15 +119,27 @@ def test_depth_attn_through_remote_code_matches(megatron_single, tokenizer_file,
                                    min_new_tokens=4), mine)
 
 
-def test_depth_attn_export_needs_trust_remote_code(megatron_single, tokenizer_file, tmp_path):
-    """Without remote code the directory must not load as a plain Qwen3 (silently wrong)."""
-    from transformers import AutoModelForCausalLM
+def test_depth_attn_export_needs_trust_remote_code(megatron_single, tokenizer_file, tmp_path,
+                                                   monkeypatch):
+    """Without remote code the directory must not load as a plain Qwen3 (silently wrong);
+    its tokenizer loads as docs/evaluation.md shows, without the "custom code [y/N]"
+    question (``input`` fails the test if asked)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     ckpt_dir = train_and_save(make_run("depth_attn"), str(tmp_path / "ckpt"), tokenizer_file)
     out = str(tmp_path / "hf_depth_attn_plain")
     assert export_main([ckpt_dir, out]) == 0
     with pytest.raises(Exception, match="trust_remote_code"):
         AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
+
+    def asked(prompt=""):
+        raise AssertionError(f"prompted: {prompt}")
+
+    monkeypatch.setattr("builtins.input", asked)
+    ours = HFTokenizer(tokenizer_file).encode("depth mixing reads")
+    for tok in (PreTrainedTokenizerFast.from_pretrained(out),
+                AutoTokenizer.from_pretrained(out, trust_remote_code=True)):
+        assert tok("depth mixing reads")["input_ids"] == ours
 
 
 @pytest.mark.parametrize("mixer,options,message", [
