@@ -130,6 +130,28 @@ def test_loglikelihood_is_the_models_own_and_batching_free(megatron_single, toke
     assert four == again  # deterministic
 
 
+def test_a_continuation_inside_the_contexts_last_token_scores_that_token(megatron_single,
+                                                                          tokenizer):
+    """``"Q: red\\nA: blu"`` + ``"e"``: the whole text ends in one token ``blue``, so
+    lm-eval's split leaves no continuation token (its ``hf`` model asserts on that). The
+    last token moves into the continuation; the other requests are scored as ever."""
+    from lm_eval.api.model import TemplateLM
+
+    model = model_for("vanilla")
+    lm = DepthmixLM(model=(model, tokenizer), batch_size=2)
+    merged = ("Q: red\nA: blu", "e")
+    assert TemplateLM._encode_pair(lm, *merged)[1] == []  # the case arises here
+    requests = [REQUESTS[0], merged, REQUESTS[1]]
+    scores = lm.loglikelihood(_instances("loglikelihood", requests), disable_tqdm=True)
+    whole = tokenizer.encode("".join(merged))
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([whole[:-1]]))[0, -1].float(), -1)
+    assert math.isclose(scores[1][0], float(logprobs[whole[-1]]), rel_tol=1e-6, abs_tol=1e-5)
+    for (ctx, cont), got in zip([REQUESTS[0], REQUESTS[1]], [scores[0], scores[2]]):
+        want = direct_loglikelihood(model, tokenizer, ctx, cont)
+        assert math.isclose(got[0], want[0], rel_tol=1e-6, abs_tol=1e-5), (ctx, got, want)
+
+
 def test_loglikelihood_rolling_sums_disjoint_windows(megatron_single, tokenizer):
     """A text longer than max_length: windows of 16 tokens, every token scored once."""
     model = model_for("vanilla")
