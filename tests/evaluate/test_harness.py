@@ -213,6 +213,43 @@ def test_five_shot_local_tasks_through_lm_evals_evaluator(megatron_single, token
         assert sample["acc"] == float(best == sample["target"])
 
 
+def test_eval_tasks_run_in_the_precision_asked_for(megatron_single, tokenizer, task_dir,
+                                                   tmp_path):
+    """``depthmix-eval train.precision=bf16 eval.tasks=[...]`` on an fp32 checkpoint: the
+    tasks' log-likelihoods are a bf16 forward's (not fp32's) and the results say bf16."""
+    from depthmix.evaluate.job import compose_job, run_job
+    from depthmix.inference.load import load_model
+    from depthmix.testing import train_and_save
+
+    run = tiny_run("vanilla")
+    run.model.vocab_size, run.model.seq_length = 320, 256
+    run.train.micro_batch_size = run.train.global_batch_size = 1
+    run.logger.wandb = False
+    ckpt = train_and_save(run, str(tmp_path / "ckpt"), tokenizer.path)
+    results = run_job(compose_job(
+        f"eval.checkpoint={ckpt}", "eval.tasks=[dm_ppl]", f"eval.include_path={task_dir}",
+        "eval.limit=3", "eval.batch_size=1", "train.precision=bf16", "logger=none",
+        f"eval.output={tmp_path}/bf16.json"))
+    assert results["precision"] == "bf16" and results["tasks_dtype"] == "bfloat16"
+    with open(task_dir / "test.jsonl") as f:
+        texts = [json.loads(line)["text"] for line in f][:3]
+
+    def word_perplexity(dtype):
+        model = load_model(ckpt, impl="torch", dtype=dtype).model
+        total = 0.0
+        for text in texts:  # one rolling window each: the end-of-document token first
+            ids = tokenizer.encode(text)
+            with torch.no_grad():
+                logits = model(torch.tensor([[tokenizer.eod] + ids[:-1]]))[0, :, :320]
+            logprobs = torch.log_softmax(logits.float(), -1)
+            total += float(logprobs.gather(-1, torch.tensor(ids)[:, None]).sum())
+        return math.exp(-total / sum(len(t.split()) for t in texts))
+
+    got = results["tasks"]["results"]["dm_ppl"]["word_perplexity,none"]
+    assert math.isclose(got, word_perplexity(torch.bfloat16), rel_tol=1e-6)
+    assert not math.isclose(got, word_perplexity(torch.float32), rel_tol=1e-4)
+
+
 def test_unknown_task_lists_close_matches(megatron_single, tokenizer, task_dir):
     with pytest.raises(ConfigError, match=r"dm_mcq.*did you mean: dm_mc"):
         evaluate_tasks((model_for("vanilla"), tokenizer), ["dm_mcq"], include_path=str(task_dir),

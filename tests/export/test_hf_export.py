@@ -11,7 +11,7 @@ from depthmix.data.tokenizer import HFTokenizer, train_bpe_tokenizer
 from depthmix.cli.export import main as export_main
 from depthmix.inference.generate import generate
 from depthmix.inference.load import load_model
-from depthmix.testing import SyntheticData, spawn, tiny_run
+from depthmix.testing import spawn, tiny_run, train_and_save
 
 VOCAB = 300  # real vocabulary; the embedding is padded to 320 (384 at TP2)
 TEXTS = ["the quick brown fox jumps over the lazy dog", "depth mixing reads earlier layers",
@@ -34,23 +34,6 @@ def make_run(mixer="vanilla", tp=1, **options):
     run.logger.wandb, run.logger.mode, run.logger.progress = False, "disabled", False
     run.parallel.tp = tp
     return run
-
-
-def train_and_save(run, root, tokenizer):
-    """One step of ``run``, then a checkpoint carrying ``tokenizer``. Collective."""
-    from megatron.core import parallel_state
-
-    from depthmix.checkpoint import distributed as ckpt
-    from depthmix.pretrain.trainer import Trainer
-
-    run.train.save_dir, run.output_dir = root, os.path.dirname(root)
-    trainer = Trainer(run, data=SyntheticData, callbacks=[])
-    trainer.train_one_step()
-    trainer.data.tokenizer = HFTokenizer(tokenizer)  # saved beside the weights
-    path = trainer.save_checkpoint(root)
-    del trainer
-    parallel_state.destroy_model_parallel()
-    return path
 
 
 def ours_and_hf(ckpt_dir, out_dir, **hf_kwargs):
