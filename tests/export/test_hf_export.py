@@ -85,6 +85,30 @@ def test_vanilla_loads_without_custom_code_and_matches(vanilla_export, tokenizer
     assert "auto_map" not in config
 
 
+def test_lm_evals_hf_model_scores_the_export_as_our_adapter_does(vanilla_export, monkeypatch):
+    """``pip install -e '.[dev]'`` brings lm-eval's own ``hf`` model (accelerate): offline,
+    on the exported directory, its log-likelihoods are our adapter's on the checkpoint."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from depthmix.evaluate.harness import DepthmixLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ckpt_dir, out = vanilla_export
+    if not os.path.exists(os.path.join(out, "config.json")):
+        assert export_main([ckpt_dir, out]) == 0
+    requests = [("the quick brown", " fox jumps over"), ("depth mixing", " reads earlier"),
+                ("a tiny model for", " a tiny test")]
+    instances = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i)
+                 for i, r in enumerate(requests)]
+    theirs = HFLM(pretrained=out, device="cpu", dtype="float32", batch_size=2).loglikelihood(
+        instances, disable_tqdm=True)
+    ours = DepthmixLM(model=load_model(ckpt_dir), batch_size=2).loglikelihood(
+        instances, disable_tqdm=True)
+    for request, (a, a_greedy), (b, b_greedy) in zip(requests, theirs, ours):
+        assert abs(a - b) < 1e-4 and a_greedy == b_greedy, (request, a, b)
+
+
 @pytest.mark.parametrize("options", [{}, {"stride": 1, "source_mode": "relative"},
                                      {"stride": 3, "mix_rule": "uniform"}],
                          ids=["default-stride", "stride1-relative", "stride3-uniform"])
