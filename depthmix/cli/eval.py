@@ -64,10 +64,15 @@ hydra_main = hydra.main(config_path="../configs", config_name="evaluate", versio
 
 
 def help_text() -> str:
-    options = ("Options: configs/evaluate.yaml (eval.*) and the training config groups; "
-               "--cfg job prints the composed config, --hydra-help Hydra's own flags.")
+    from depthmix.cli.overrides import _describe, schema_options
+
+    options = ("Options: eval.* below (configs/eval/default.yaml) and the training config "
+               "groups (depthmix-train --help); --cfg job prints the composed config, "
+               "--hydra-help Hydra's own flags.")
     return "\n".join([__doc__.strip(), "", textwrap.fill(options, 88), "",
-                      textwrap.fill(exit_codes.HELP, 88), ""])
+                      "eval options (eval.<option>=value):", *_describe("eval.",
+                                                                       schema_options("eval")),
+                      "", textwrap.fill(exit_codes.HELP, 88), ""])
 
 
 def check_inputs(cfg: DictConfig) -> str:
@@ -111,10 +116,11 @@ def main() -> Optional[int]:
     points = hydra_points(argv, "evaluate") or []
     for point in points:
         checkpoint = check_inputs(point.cfg)
+    extra = _nonzero_rank_overrides()
     if len(points) == 1 and "-m" not in argv and "--multirun" not in argv:
-        sys.argv.extend(placement(points[0].cfg, checkpoint, argv))
+        extra += [o for o in placement(points[0].cfg, checkpoint, argv) if o not in extra]
     os.environ.setdefault("DEPTHMIX_RUN_KEY", launch_env.run_key())
-    sys.argv.extend(_nonzero_rank_overrides())
+    sys.argv.extend(extra)
     hydra_main()  # exits with the job's status when it is not 0
     return exit_codes.OK
 
