@@ -358,13 +358,10 @@ def before_hydra(argv: Sequence[str]) -> Optional[int]:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return exit_codes.OK
-    from hydra._internal.utils import get_args_parser
+    from depthmix.cli.command import hydra_points
 
-    args = get_args_parser().parse_args(list(argv))
-    if (args.hydra_help or args.shell_completion or args.config_dir or args.config_path
-            or args.experimental_rerun or args.info):
-        return None  # Hydra's own modes
-    points = compose_points(args.overrides, args.multirun, args.config_name or "config")
-    if args.multirun and points and all(p.cfg.train.dry_run for p in points):
+    points = hydra_points(argv, "config")  # None: Hydra's own modes
+    multirun = "-m" in argv or "--multirun" in argv
+    if multirun and points and all(p.cfg.train.dry_run for p in points):
         return dry_run_points(points)
     return None
