@@ -80,6 +80,25 @@ def build_model(run: RunConfig, dtype: Optional[torch.dtype] = None):
 
 
 @torch.no_grad()
+def train_and_save(run: RunConfig, root: str, tokenizer: str) -> str:
+    """One step of ``run``, then a checkpoint in ``root`` carrying the ``tokenizer`` file;
+    returns its directory. Collective."""
+    from megatron.core import parallel_state
+
+    from depthmix.data.tokenizer import HFTokenizer
+    from depthmix.pretrain.trainer import Trainer
+
+    run.train.save_dir, run.output_dir = root, os.path.dirname(root)
+    with torch.enable_grad():  # a caller under no_grad (the lm-eval tests) still trains
+        trainer = Trainer(run, data=SyntheticData, callbacks=[])
+        trainer.train_one_step()
+    trainer.data.tokenizer = HFTokenizer(tokenizer)  # saved beside the weights
+    path = trainer.save_checkpoint(root)
+    del trainer
+    parallel_state.destroy_model_parallel()
+    return path
+
+
 def incremental_logits(model, input_ids: torch.Tensor, prefill: int = 1) -> torch.Tensor:
     """Logits ``[b, s, v]`` from a prefill of ``prefill`` tokens then one token at a time
     through the KV cache; must equal ``model(input_ids)``."""

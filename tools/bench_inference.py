@@ -22,11 +22,15 @@ ratios to vanilla are medians of same-round ratios, robust to machine drift):
     python tools/bench_inference.py          # CPU: tiny preset, batch 2, prefill 64, decode 16
     python tools/bench_inference.py --model 3b --batch 64 --prefill 2048 --decode 2048 \\
         --precision bf16 --reps 3                    # the paper's shape, on a GPU
+
+Run time: the defaults (tiny preset, every mixer, 10 timed rounds plus an untimed memory
+pass each) take about 35 s of CPU time: about a minute on an idle 2-core CPU, several
+minutes on a loaded one (3 min measured at load 80). It grows with --reps x mixers x
+(--prefill + --decode); ``--reps 1 --warmup 0`` is a smoke run.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -35,26 +39,23 @@ import sys
 import time
 from types import SimpleNamespace
 
-import torch
+from depthmix.cli.command import ArgumentParser, DefaultsFormatter
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_mixers import build_runs  # noqa: E402  (tools/ is not a package)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=DefaultsFormatter)
     p.add_argument("--mixers", default="all", help="comma list, or 'all' registered")
     p.add_argument("--impl", default="torch", help="mixer.impl for every mixer")
     p.add_argument("--model", default="tiny", help="model preset")
     p.add_argument("--layers", type=int, default=None, help="override num_layers")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--prefill", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2, help="rows per forward")
+    p.add_argument("--prefill", type=int, default=64, help="prompt tokens per row")
     p.add_argument("--decode", type=int, default=16, help="single-token decode steps")
-    p.add_argument("--precision", default="fp32", choices=list(DTYPES))
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="weights' dtype")
     p.add_argument("--reps", type=int, default=10, help="timed round-robin repetitions")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--no-plain-attnres", action="store_true",
                    help="skip the attnres_block[plain] row (per-sublayer reads)")
     p.add_argument("--option", action="append", default=[],
@@ -64,6 +65,17 @@ def parse_args(argv=None):
                         "the GPU for its turn only, so 3B models plus a batch-64 cache fit)")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help or a wrong option: answered before torch is imported
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mixers import build_runs  # noqa: E402  (tools/ is not a package)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_models(args):
@@ -275,10 +287,10 @@ def table(results) -> str:
 
 
 def main(argv=None):
-    from depthmix import runtime
+    from depthmix.cli.command import quiet_libraries
 
     args = parse_args(argv)
-    with runtime.installed():
+    with quiet_libraries():
         results = measure(args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device} | torch {torch.__version__} | model={args.model} batch={args.batch} "

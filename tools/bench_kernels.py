@@ -15,15 +15,30 @@ plumbing; CPU times say nothing about GPU kernels.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 from typing import Callable, List
 
-import torch
+from depthmix.cli.command import ArgumentParser, DefaultsFormatter
 
-from depthmix import kernels
+
+def parse_args():
+    p = ArgumentParser(description=__doc__, formatter_class=DefaultsFormatter)
+    p.add_argument("--ops", default="all", help="comma list, or 'all' registered")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions")
+    p.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (default without CUDA)")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    parse_args()  # --help or a wrong option: answered before torch is imported
+
+import torch  # noqa: E402
+
+from depthmix import kernels  # noqa: E402
+
 
 def _sync():
     if torch.cuda.is_available():
@@ -57,12 +72,9 @@ def measure(fn: Callable, make_inputs: Callable, backward: bool, reps: int, warm
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--ops", default=",".join(kernels.ops()), help="comma list (default: all)")
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes (default without CUDA)")
-    args = p.parse_args()
+    args = parse_args()
+    if args.ops == "all":
+        args.ops = ",".join(kernels.ops())
     smoke = args.smoke or not torch.cuda.is_available()
     if not torch.cuda.is_available():  # before any kernel module is imported (triton.jit reads it)
         os.environ.setdefault("TRITON_INTERPRET", "1")

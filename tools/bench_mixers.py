@@ -22,16 +22,15 @@ Qwen3-style shape, side by side.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections import Counter
 
-import torch
+from depthmix.cli.command import ArgumentParser, DefaultsFormatter
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=DefaultsFormatter)
     p.add_argument("--mixers", default="all", help="comma list, or 'all' registered")
     p.add_argument("--impl", default="torch", help="comma list of mixer.impl values")
     p.add_argument("--model", default="tiny", help="model preset")
@@ -51,6 +50,12 @@ def parse_args():
     p.add_argument("--peers", action="store_true",
                    help="also time Megatron-Core's GPTModel and HF Qwen3 at the same shape")
     return p.parse_args()
+
+
+if __name__ == "__main__":
+    parse_args()  # --help or a wrong option: answered before torch is imported
+
+import torch  # noqa: E402
 
 
 # the tiny preset's 8 sublayers cannot hold Block AttnRes' default 12-sublayer block

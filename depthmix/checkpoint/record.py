@@ -55,14 +55,22 @@ def mismatches(saved: Dict[str, Any], run: RunConfig, ignore=("train.precision",
     (precision by default: loading fp32 weights into bf16 compute is legitimate; the
     trainer adds it back when the optimizer state is loaded too)."""
     a, b = fingerprint(saved), fingerprint(record(run))
+    other_mixer = a.get("mixer.name") != b.get("mixer.name")
     out = []
     for key in sorted(set(a) | set(b)):
         if key in ignore:
             continue
+        if other_mixer and key.startswith("mixer.") and (key not in a or key not in b):
+            continue  # an option only one of the two mixers has: the name says it
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
             out.append(f"{key}: checkpoint {a.get(key, '<absent>')!r}, "
                        f"this run {b.get(key, '<absent>')!r}")
     return out
+
+
+def listed(lines: List[str]) -> str:
+    """Mismatch lines for a message: one per line, indented."""
+    return "".join(f"\n  {line}" for line in lines)
 
 
 def run_from_record(rec: Dict[str, Any], **mixer_overrides) -> RunConfig:

@@ -44,7 +44,7 @@ import shutil
 import time
 from typing import Optional
 
-from depthmix.checkpoint.record import mismatches
+from depthmix.checkpoint.record import listed, mismatches
 from depthmix.config.schema import ConfigError
 
 log = logging.getLogger("depthmix")
@@ -362,8 +362,8 @@ def check_record(path: str, run, weights_only: bool, source: str = "train.load_d
         hint = (f"{source} holds another run's checkpoints: give this run its own "
                 f"train.save_dir (or output directory); to fine-tune from them add "
                 f"train.load_dir={path} train.load_weights_only=true")
-    raise ConfigError(f"cannot resume checkpoint {path}: it differs from this run in "
-                      f"{'; '.join(diffs)}. {hint}")
+    raise ConfigError(f"cannot resume checkpoint {path}: it differs from this run in"
+                      f"{listed(diffs)}\n{hint}")
 
 
 def resume_source(run, save_dir: str, warn: bool = True) -> Optional[tuple]:

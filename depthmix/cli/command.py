@@ -1,14 +1,20 @@
-"""What every depthmix command shares: a ``main`` returns the exit status
-(:mod:`depthmix.runtime.exit_codes`), a configuration error ends it with one line on stderr
-and status 2, and every ``--help`` lists the exit statuses."""
+"""What every depthmix command shares (depthmix-train's contract): a ``main`` returns the
+exit status (:mod:`depthmix.runtime.exit_codes`); a configuration error, a typo'd option
+(with the closest valid name) or a missing input path ends it with one line on stderr and
+status 2, checked before torch or Megatron is imported (:func:`require_path`,
+:class:`ArgumentParser`, :func:`hydra_points`); the libraries' notices stay off the console
+(:func:`quiet_libraries`); every ``--help`` lists the exit statuses."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import glob
+import os
 import sys
 import textwrap
-from typing import Callable, Optional, Tuple, Type
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Type
 
 from depthmix.config.schema import ConfigError
 from depthmix.runtime import exit_codes
@@ -42,7 +48,8 @@ def command(main: Optional[Callable[..., Optional[int]]] = None, *,
 
 def compose_run(*overrides: str):
     """:func:`depthmix.config.load.compose_run`, with what Hydra refuses (an unknown key or
-    group choice, bad syntax) as a :class:`ConfigError` naming it in one line."""
+    group choice, bad syntax) as a :class:`ConfigError` naming it and the closest valid
+    name in one line."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -51,6 +58,9 @@ def compose_run(*overrides: str):
     try:
         return compose(*overrides)
     except (HydraException, OmegaConfBaseException) as e:
+        from depthmix.cli.overrides import compose_points
+
+        compose_points(overrides)  # raises naming the closest valid names where it can
         raise ConfigError(str(e).strip().splitlines()[0]) from None
 
 
@@ -59,13 +69,128 @@ def _fill(text: str) -> str:
     return text if "\n" in text.strip() else textwrap.fill(text, 88)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage error is one line naming the closest valid option of a typo
+    (``--tempreature`` -> ``--temperature``), with status 2; option names are exact (no
+    abbreviations: ``--prefil`` is a typo, not ``--prefill``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        hint = ""
+        if message.startswith("unrecognized arguments:"):
+            names = [s for a in self._actions for s in a.option_strings]
+            for arg in message.split(":", 1)[1].split():
+                if arg.startswith("-") and not hint:
+                    hint = closest_name(arg.split("=", 1)[0], names)
+        self.exit(exit_codes.CONFIG_ERROR,
+                  f"{self.prog}: error: {message}{hint} ({self.prog} --help lists the "
+                  "options)\n")
+
+
+class DefaultsFormatter(argparse.RawDescriptionHelpFormatter,
+                         argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default (unless the help states it already)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default is None or action.default is False
+                or action.default == [] or action.default is argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def closest_name(value: str, names: Sequence[str]) -> str:
+    from depthmix.config.validate import closest
+
+    return closest(value, names)
+
+
 def argument_parser(prog: str, description: str, *epilog: str) -> argparse.ArgumentParser:
-    """argparse for a command: ``--help`` ends with ``epilog`` (examples) and the exit
-    statuses. (argparse's own usage errors exit 2 as well.)"""
-    return argparse.ArgumentParser(
+    """argparse for a command: ``--help`` shows each option's default and ends with
+    ``epilog`` (examples) and the exit statuses; a usage error is :class:`ArgumentParser`'s."""
+    return ArgumentParser(
         prog=prog, description=_fill(description),
         epilog="\n\n".join(_fill(p) for p in (*epilog, exit_codes.HELP)),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=DefaultsFormatter)
+
+
+def require_path(path: Optional[str], option: str, kind: str = "file") -> str:
+    """``path`` (``~`` expanded) when it exists, else a :class:`ConfigError` naming
+    ``option``. ``kind``: ``file``, ``dir``, ``glob`` (matches a file) or
+    ``prefix`` (a Megatron data prefix: ``<path>.bin`` and ``<path>.idx``)."""
+    full = os.path.expanduser(str(path or ""))
+    if kind == "prefix":
+        missing = [f"{full}{ext}" for ext in (".bin", ".idx") if not os.path.isfile(full + ext)]
+        if missing:
+            raise ConfigError(f"{option}={path}: no such data prefix ({' and '.join(missing)} "
+                              "missing)")
+        return full
+    found = {"file": os.path.isfile, "dir": os.path.isdir,
+             "glob": lambda p: any(os.path.isfile(f) for f in glob.glob(p))}[kind](full)
+    if not path or not found:
+        if kind == "glob" and glob.has_magic(full):
+            raise ConfigError(f"{option}={path} matches no files")
+        raise ConfigError(f"{option}={path}: no such {'directory' if kind == 'dir' else 'file'}")
+    return full
+
+
+def require_writable_dir(path: str, option: str) -> str:
+    """The directory ``path`` is (or will be created) in: a :class:`ConfigError` naming
+    ``option`` when its nearest existing parent cannot be written."""
+    parent = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"{option}={path}: {parent} is not a writable directory")
+    return path
+
+
+def require_checkpoint(path: Optional[str], option: str) -> str:
+    """The complete checkpoint ``path`` names (:func:`depthmix.checkpoint.store.find_checkpoint`,
+    no torch import), or a :class:`ConfigError` naming ``option``."""
+    from depthmix.checkpoint.store import find_checkpoint
+
+    if not path:
+        raise ConfigError(f"{option} is required: a train.save_dir or one iter_* checkpoint "
+                          "directory")
+    return find_checkpoint(os.path.expanduser(str(path)), option)
+
+
+@contextlib.contextmanager
+def quiet_libraries(verbose: bool = False) -> Iterator[None]:
+    """Where a command imports torch or Megatron: their INFO lines silenced, their
+    start-up warnings held back and the process patches installed (:mod:`depthmix.runtime`),
+    as in training. Enter it after the checks, so that an error comes first and fast."""
+    from depthmix import runtime
+    from depthmix.runtime.log import quiet_libraries as quiet_loggers
+
+    quiet_loggers(verbose)
+    with runtime.installed():
+        yield
+
+
+def hydra_points(argv: Sequence[str], config_name: str) -> Optional[List]:
+    """Compose every point of a Hydra command's overrides before Hydra runs (an unknown
+    key, group choice or bad value: a :class:`ConfigError` with the closest valid names,
+    :func:`depthmix.cli.overrides.compose_points`); None for Hydra's own modes
+    (``--hydra-help``, ``--info``, ...)."""
+    from hydra._internal.utils import get_args_parser
+
+    from depthmix.cli.overrides import compose_points
+
+    args = get_args_parser().parse_args(list(argv))
+    if (args.hydra_help or args.shell_completion or args.config_dir or args.config_path
+            or args.experimental_rerun or args.info or args.cfg):
+        return None
+    return compose_points(args.overrides, args.multirun, args.config_name or config_name)
+
+
+def hydra_quote(value: str) -> str:
+    """``value`` as a quoted Hydra override value (paths may hold ``=``, ``,``, ``[``)."""
+    return "'" + value.replace("'", "\\'") + "'"
 
 
 class HydraTask:

@@ -8,9 +8,11 @@
 
 The model and mixer come from the checkpoint (saved at any layout); the layout is the one
 given here (``parallel=...``, TP/PP/DP through torchrun). Results: a JSON file (default
-``<checkpoint>/eval/<eval.name>.json``), a table on the console, W&B with ``logger=...``.
-See ``docs/evaluation.md``. A configuration error (a missing checkpoint, options that
-disagree with it, a dataset shorter than one window, ...) is found before any compute.
+``<checkpoint>/eval/<eval.name>.json``), a table on the console, W&B with ``logger=...``;
+the log (``<eval.name>.log``, or the results file's name with ``.log``) and the W&B folder
+go beside the results file. See ``docs/evaluation.md``. A typo'd option, a missing
+checkpoint, dataset or task folder is reported before torch is imported; options that
+disagree with the checkpoint, a dataset shorter than one window, ... before any compute.
 """
 
 from __future__ import annotations
@@ -23,12 +25,19 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig
 
-from depthmix import runtime
-from depthmix.cli.command import HydraTask, command
+from depthmix.cli.command import (
+    HydraTask,
+    command,
+    hydra_points,
+    hydra_quote,
+    quiet_libraries,
+    require_checkpoint,
+    require_path,
+    require_writable_dir,
+)
 from depthmix.config.store import register_configs
 from depthmix.runtime import env as launch_env
 from depthmix.runtime import exit_codes
-from depthmix.runtime.log import quiet_libraries
 
 
 @command
@@ -36,8 +45,7 @@ def evaluate(cfg: DictConfig) -> None:
     """One evaluation job (a Hydra job)."""
     from hydra.core.hydra_config import HydraConfig
 
-    quiet_libraries(verbose=False)  # Megatron's config dumps, as in training
-    with runtime.installed():  # Megatron's import-time notices: held back, as in training
+    with quiet_libraries():  # Megatron's config dumps and import-time notices
         from depthmix.evaluate.job import prepare, run_job
         from depthmix.pretrain.parallelize import destroy_distributed
 
@@ -56,23 +64,63 @@ hydra_main = hydra.main(config_path="../configs", config_name="evaluate", versio
 
 
 def help_text() -> str:
-    options = ("Options: configs/evaluate.yaml (eval.*) and the training config groups; "
-               "--cfg job prints the composed config, --hydra-help Hydra's own flags.")
+    from depthmix.cli.overrides import _describe, schema_options
+
+    options = ("Options: eval.* below (configs/eval/default.yaml) and the training config "
+               "groups (depthmix-train --help); --cfg job prints the composed config, "
+               "--hydra-help Hydra's own flags.")
     return "\n".join([__doc__.strip(), "", textwrap.fill(options, 88), "",
-                      textwrap.fill(exit_codes.HELP, 88), ""])
+                      "eval options (eval.<option>=value):", *_describe("eval.",
+                                                                       schema_options("eval")),
+                      "", textwrap.fill(exit_codes.HELP, 88), ""])
+
+
+def check_inputs(cfg: DictConfig) -> str:
+    """The paths an evaluation reads, before anything heavy is imported: the checkpoint
+    (returned: the ``iter_*`` directory), each dataset prefix and the task folder."""
+    ev = cfg.eval
+    found = require_checkpoint(ev.checkpoint, "eval.checkpoint")
+    datasets = ev.datasets if isinstance(ev.datasets, DictConfig) else {}
+    for name, prefix in datasets.items():
+        if isinstance(prefix, str):
+            require_path(prefix, f"eval.datasets.{name}", "prefix")
+    if ev.include_path:
+        require_path(ev.include_path, "eval.include_path", "dir")
+    return found
+
+
+def placement(cfg: DictConfig, checkpoint: str, argv) -> list:
+    """Hydra overrides that put the job's log (``<results name>.log``) and its W&B folder
+    beside the results file, and no ``.hydra`` folder; none when ``hydra.run.dir`` is set."""
+    if any(a.startswith("hydra.run.dir=") for a in argv):
+        return []
+    ev = cfg.eval
+    results = ev.output or os.path.join(checkpoint, "eval", f"{ev.name}.json")
+    require_writable_dir(os.path.dirname(os.path.abspath(results)),
+                         "eval.output" if ev.output else "eval.name")
+    stem = os.path.splitext(os.path.basename(results))[0]
+    return [f"hydra.run.dir={hydra_quote(os.path.dirname(os.path.abspath(results)))}",
+            "hydra.output_subdir=null", f"hydra.job.name={hydra_quote(stem)}"]
 
 
 @command
 def main() -> Optional[int]:
     from depthmix.cli.train import _nonzero_rank_overrides
 
-    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+    argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:
         print(help_text())
         return exit_codes.OK
     register_configs()
     launch_env.register_resolvers()
+    points = hydra_points(argv, "evaluate") or []
+    for point in points:
+        checkpoint = check_inputs(point.cfg)
+    extra = _nonzero_rank_overrides()
+    if len(points) == 1 and "-m" not in argv and "--multirun" not in argv:
+        extra += [o for o in placement(points[0].cfg, checkpoint, argv) if o not in extra]
     os.environ.setdefault("DEPTHMIX_RUN_KEY", launch_env.run_key())
-    sys.argv.extend(_nonzero_rank_overrides())
+    sys.argv.extend(extra)
     hydra_main()  # exits with the job's status when it is not 0
     return exit_codes.OK
 

@@ -8,10 +8,17 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from depthmix import runtime
-from depthmix.cli.command import argument_parser, command
-from depthmix.export.hf import DTYPES, export
-from depthmix.runtime.log import quiet_libraries
+from depthmix.cli.command import (
+    argument_parser,
+    command,
+    quiet_libraries,
+    require_checkpoint,
+    require_path,
+    require_writable_dir,
+)
+
+DTYPES = ("fp32", "bf16", "fp16")
+"""The keys of :data:`depthmix.export.hf.DTYPES` (not imported here: it imports torch)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,9 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 @command
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
+    require_checkpoint(args.checkpoint, "checkpoint")
+    require_writable_dir(args.out_dir, "out_dir")
+    if args.tokenizer:
+        require_path(args.tokenizer, "--tokenizer")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    quiet_libraries(verbose=False)
-    with runtime.installed():  # Megatron's import-time notices: held back, as in training
+    with quiet_libraries():
+        from depthmix.export.hf import export
+
         out = export(args.checkpoint, args.out_dir, args.dtype, args.tokenizer)
     print(f"exported {args.checkpoint} -> {out}")
 

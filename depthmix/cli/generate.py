@@ -3,7 +3,8 @@
 
     depthmix-generate outputs/.../checkpoints -p 'Once upon a time' -n 40 --temperature 0.8
 
-torch is imported inside the functions so that ``depthmix-generate --help`` starts at once.
+torch is imported inside the functions so that ``depthmix-generate --help`` and a wrong
+option or path are answered at once.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import json
 import sys
 from typing import List, Optional, Sequence
 
-from depthmix import runtime
-from depthmix.cli.command import argument_parser, command
+from depthmix.cli.command import (
+    argument_parser,
+    command,
+    quiet_libraries,
+    require_checkpoint,
+    require_path,
+)
 from depthmix.config.schema import ConfigError
 from depthmix.runtime import exit_codes
-from depthmix.runtime.log import quiet_libraries
 
 PROG = "depthmix-generate"
 DTYPES = ("fp32", "bf16", "fp16")
@@ -214,8 +219,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(args, parser)
-    quiet_libraries(verbose=False)
-    with runtime.installed():  # Megatron's import-time notices: held back, as in training
+    require_checkpoint(args.checkpoint, "checkpoint")
+    for option, path in (("--tokenizer", args.tokenizer), ("--prompts-file", args.prompts_file)):
+        if path:
+            require_path(path, option)
+    with quiet_libraries():
         return run(args)
 
 

@@ -15,9 +15,13 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from depthmix import runtime
-from depthmix.cli.command import argument_parser, command
-from depthmix.runtime.log import quiet_libraries
+from depthmix.cli.command import (
+    argument_parser,
+    command,
+    quiet_libraries,
+    require_path,
+    require_writable_dir,
+)
 
 PROG = "depthmix-import"
 
@@ -51,14 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 @command(input_errors=(OSError,), prog=PROG)
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    require_path(args.hf_dir, "hf_dir", "dir")
+    if args.tokenizer:
+        require_path(args.tokenizer, "--tokenizer")
+    require_writable_dir(args.out_dir, "out_dir")
     from depthmix.hf.importer import prepare, usage, write
 
-    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    quiet_libraries(verbose=False)
     job = prepare(args.hf_dir, args.out_dir, args.name, args.seq_length, args.precision,
                   args.tokenizer)
-    with runtime.installed():  # Megatron's import-time notices: held back, as in training
+    with quiet_libraries():
         checkpoint = write(job)
     print(f"imported {job.source} -> {job.out}\n{usage(job, checkpoint)}", flush=True)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from depthmix.cli.command import argument_parser, command, compose_run
+from depthmix.cli.command import argument_parser, closest_name, command, compose_run
+from depthmix.config.schema import ConfigError
 from depthmix.planning import overheads as table
 
 
@@ -31,6 +32,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from depthmix.mixers import available
 
     names = available() if args.mixers == "all" else args.mixers.split(",")
+    for name in names:
+        if name not in available():
+            raise ConfigError(f"--mixers: {name} is not a mixer; choose among "
+                              f"{', '.join(available())}{closest_name(name, available())}")
     overrides = list(args.overrides)
     if not any(o.startswith(("parallel.pp=", "parallel=")) for o in overrides):
         overrides.append("parallel.pp=4")

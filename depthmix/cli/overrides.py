@@ -34,6 +34,8 @@ _MIXERS = os.path.join(_PACKAGE, "mixers")
 GROUP_SCHEMAS = {"model": "ModelConfig", "parallel": "ParallelConfig", "data": "DataConfig",
                  "train": "TrainConfig", "logger": "LoggerConfig"}
 """Config groups backed by a dataclass of :mod:`depthmix.config.schema` (``mixer``: per method)."""
+CHECKED_SCHEMAS = {**GROUP_SCHEMAS, "eval": "EvalConfig"}
+"""Groups whose option names an override is checked against (``eval``: depthmix-eval's)."""
 TOP_LEVEL_KEYS = ("output_dir",)
 
 
@@ -103,7 +105,7 @@ def class_options(path: str, cls: str) -> List[Option]:
 
 
 def schema_options(group: str) -> List[Option]:
-    return class_options(_SCHEMA, GROUP_SCHEMAS[group])
+    return class_options(_SCHEMA, CHECKED_SCHEMAS[group])
 
 
 def mixer_classes() -> Dict[str, Tuple[str, str]]:
@@ -260,7 +262,7 @@ def diagnose(parsed, compose) -> Optional[str]:
         if head not in known_groups:
             names = [*known_groups, *TOP_LEVEL_KEYS]
             return f"{key}: {head} is not a config group{closest(head, names)}"
-        if head not in GROUP_SCHEMAS and head != "mixer":
+        if head not in CHECKED_SCHEMAS and head != "mixer":
             continue
         field = rest.split(".")[0]
         mixer = _chosen_mixer(parsed, compose) if head == "mixer" else None
@@ -384,13 +386,10 @@ def before_hydra(argv: Sequence[str]) -> Optional[int]:
         points = compose_points(overrides, multirun="-m" in argv or "--multirun" in argv)
         print(help_text(points[0].cfg, overrides))
         return exit_codes.OK
-    from hydra._internal.utils import get_args_parser
+    from depthmix.cli.command import hydra_points
 
-    args = get_args_parser().parse_args(list(argv))
-    if (args.hydra_help or args.shell_completion or args.config_dir or args.config_path
-            or args.experimental_rerun or args.info):
-        return None  # Hydra's own modes
-    points = compose_points(args.overrides, args.multirun, args.config_name or "config")
-    if args.multirun and points and all(p.cfg.train.dry_run for p in points):
+    points = hydra_points(argv, "config")  # None: Hydra's own modes
+    multirun = "-m" in argv or "--multirun" in argv
+    if multirun and points and all(p.cfg.train.dry_run for p in points):
         return dry_run_points(points)
     return None

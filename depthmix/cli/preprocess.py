@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from depthmix.cli.command import argument_parser, command
+from depthmix.cli.command import argument_parser, command, require_path, require_writable_dir
 from depthmix.config.schema import ConfigError
 from depthmix.data.preprocess import preprocess
 
@@ -47,6 +47,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     if args.workers < 1 or args.chunk_size < 1:
         raise ConfigError("--workers and --chunk-size must be >= 1")
+    for pattern in args.input:
+        require_path(pattern, "--input", "glob")
+    require_path(args.tokenizer, "--tokenizer")
+    require_writable_dir(os.path.dirname(os.path.abspath(args.output_prefix)), "--output-prefix")
     stats = preprocess(args.input, args.tokenizer, args.output_prefix, args.json_key,
                        args.workers, args.chunk_size, progress=not args.no_progress,
                        split_by=args.split_by)

@@ -150,6 +150,20 @@ class DepthmixLM(TemplateLM):
     def tok_decode(self, tokens: Sequence[int]) -> str:
         return self.tok.decode(list(tokens))
 
+    def _encode_pair(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:
+        """lm-eval's causal split (encode the whole text, the continuation is what follows
+        the context's tokens), except where the continuation falls inside the context's
+        last token (``"...went to sl"`` + ``"eep"`` -> ``sleep``): lm-eval's would be empty
+        (its ``hf`` model asserts on it, aborting the evaluation); here the last token
+        moves into the continuation, so the token that completes the text is scored."""
+        stripped = context.rstrip()  # trailing spaces belong to the continuation (lm-eval)
+        whole = self.tok_encode(context + continuation)
+        if not whole:
+            raise ValueError(f"the loglikelihood request (context {context!r}, continuation "
+                             f"{continuation!r}) tokenizes to nothing")
+        cut = min(len(self.tok_encode(stripped)), len(whole) - 1)
+        return whole[:cut] or [self.prefix_token_id], whole[cut:]
+
     def get_model_info(self) -> dict:
         return {"depthmix_checkpoint": self.checkpoint, "depthmix_mixer": self.mixer}
 
@@ -174,9 +188,10 @@ class DepthmixLM(TemplateLM):
                    desc="depthmix loglikelihood")
         for chunk in order.get_batched(n=self.batch_size):
             inputs, spans = [], []
-            for _, context, continuation in chunk:
+            for request, context, continuation in chunk:
                 if not continuation:
-                    raise ValueError("a loglikelihood request has an empty continuation")
+                    raise ValueError(f"the loglikelihood request {request!r} has an empty "
+                                     "continuation")
                 # the last max_length + 1 tokens; the final one is only ever a target
                 whole = (context + continuation)[-(self.max_length + 1):]
                 inputs.append(whole[:-1])

@@ -23,7 +23,7 @@ from typing import List, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from depthmix.checkpoint.record import mismatches, run_from_record
+from depthmix.checkpoint.record import listed, mismatches, run_from_record
 from depthmix.config.schema import ConfigError, EvalConfig, RunConfig
 from depthmix.evaluate.windows import TokenStream, num_windows
 
@@ -94,11 +94,9 @@ def check_matches(record: dict, composed: RunConfig, given: set, path: str) -> N
     lines = mismatches(record, _requested(record, composed, given))
     if not lines:
         return
-    name = [line for line in lines if line.startswith("mixer.name:")]
     raise ConfigError(
         f"eval.checkpoint={path} does not match the options given (the model and mixer come "
-        f"from the checkpoint; drop the options or pick another checkpoint): "
-        + "; ".join(name or lines))
+        f"from the checkpoint; drop the options or pick another checkpoint):{listed(lines)}")
 
 
 def _check_eval_options(ev: EvalConfig, run: RunConfig, world_size: int) -> None:
@@ -222,6 +220,13 @@ def compose_job(*overrides: str, world_size: int = 1) -> EvalJob:
     return prepare(cfg, overrides, world_size)
 
 
+def torch_dtype(precision: str):
+    """``train.precision`` -> the torch dtype the lm-eval tasks run in."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
 def run_job(job: EvalJob) -> dict:
     """Evaluate ``job``; collective. Rank 0 writes the JSON, prints the table and logs to
     W&B; every rank returns the results."""
@@ -236,12 +241,16 @@ def run_job(job: EvalJob) -> dict:
         from depthmix.inference.load import load_model
 
         ev = job.eval
-        loaded = load_model(job.checkpoint, impl=job.run.mixer.impl, option="eval.checkpoint")
+        loaded = load_model(job.checkpoint, impl=job.run.mixer.impl, option="eval.checkpoint",
+                            dtype=torch_dtype(job.run.train.precision))
         tasks = harness()(loaded, list(ev.tasks), ev.num_fewshot, ev.batch_size, ev.limit,
                           include_path=ev.include_path)
+        ran_in = str(next(loaded.model.parameters()).dtype).replace("torch.", "")
         del loaded
     datasets = evaluate_datasets(job) if job.datasets else []
     results = report.results_dict(job, datasets, tasks, time.perf_counter() - start)
+    if tasks is not None:
+        results["tasks_dtype"] = ran_in  # the weights' dtype the tasks ran in
     if dist.get_rank() == 0:
         report.write_json(job.output, results)
         if tasks:
@@ -251,7 +260,7 @@ def run_job(job: EvalJob) -> dict:
         if datasets:
             print(report.table(datasets), flush=True)
         print(f"results written to {job.output}", flush=True)
-        run_id = report.log_wandb(job, results)
-        if run_id:
-            print(f"W&B run {run_id} ({job.run.logger.mode})", flush=True)
+        wandb_line = report.log_wandb(job, results)
+        if wandb_line:
+            print(wandb_line, flush=True)
     return results

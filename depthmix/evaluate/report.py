@@ -72,7 +72,8 @@ def _flat_metrics(prefix: str, tree, out: dict) -> None:
 
 
 def log_wandb(job, results: dict) -> Optional[str]:
-    """Log ``results`` to a new W&B run when ``logger.wandb`` is on; returns its id."""
+    """Log ``results`` to a new W&B run when ``logger.wandb`` is on; returns the console
+    line naming it (offline: the ``wandb sync`` command that uploads it)."""
     lg = job.run.logger
     if not lg.wandb or lg.mode == "disabled":
         return None
@@ -91,7 +92,8 @@ def log_wandb(job, results: dict) -> Optional[str]:
                            *lg.tags],
                      config={k: v for k, v in results.items()
                              if k not in ("datasets", "pooled", "tasks")},
-                     settings=wandb.Settings(console="off"))
+                     # no banner: the caller prints the run's id (errors still raise)
+                     settings=wandb.Settings(console="off", silent=True))
     metrics: dict = {}
     tasks = results.get("tasks") or {}
     for name_, tree in [*results.get("datasets", {}).items(),
@@ -102,6 +104,10 @@ def log_wandb(job, results: dict) -> Optional[str]:
     metrics = {k: v for k, v in metrics.items() if not k.endswith("/seconds")}
     run.log(metrics, step=int(results["step"]))
     run.summary.update(metrics)
-    run_id = run.id
+    line = f"W&B run {run.id} ({lg.mode})"
+    if lg.mode == "offline":
+        from depthmix.runtime.log import short_path
+
+        line = f"W&B (offline): wandb sync {short_path(os.path.dirname(run.dir))}"
     run.finish()
-    return run_id
+    return line

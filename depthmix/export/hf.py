@@ -14,7 +14,7 @@ map from Megatron's names as :mod:`depthmix.hf.weights` says (fused ``linear_qkv
 ``linear_fc1`` split; the embedding and output layer keep the real vocabulary,
 ``model.vocab_size`` rows, so the exported logits are ours with the padded columns
 dropped). The directory also holds the tokenizer (``tokenizer.json`` plus
-``tokenizer_config.json`` / ``special_tokens_map.json``) when the checkpoint carries one or
+``tokenizer_config.json`` naming its special tokens) when the checkpoint carries one or
 ``--tokenizer`` names one.
 """
 

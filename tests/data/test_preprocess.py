@@ -69,11 +69,11 @@ def test_clear_errors(tmp_path, tok_path, capsys):
     src = tmp_path / "docs.jsonl"
     write_jsonl(src, ["a"])
     out = str(tmp_path / "o")
-    assert main(["-i", str(tmp_path / "nope.jsonl"), "-t", tok_path, "-o", out]) == 1
-    assert "nope.jsonl" in capsys.readouterr().err
-    assert main(["-i", str(tmp_path / "*.zst"), "-t", tok_path, "-o", out]) == 1
+    assert main(["-i", str(tmp_path / "nope.jsonl"), "-t", tok_path, "-o", out]) == 2
+    assert "nope.jsonl" in capsys.readouterr().err  # missing paths: status 2, before any work
+    assert main(["-i", str(tmp_path / "*.zst"), "-t", tok_path, "-o", out]) == 2
     assert "matches no files" in capsys.readouterr().err
-    assert main(["-i", str(src), "-t", str(tmp_path / "tok.json"), "-o", out]) == 1
+    assert main(["-i", str(src), "-t", str(tmp_path / "tok.json"), "-o", out]) == 2
     assert "--tokenizer" in capsys.readouterr().err
     assert main(["-i", str(src), "-t", tok_path, "-o", out, "--json-key", "body",
                  "--no-progress"]) == 1

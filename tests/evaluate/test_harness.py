@@ -130,6 +130,28 @@ def test_loglikelihood_is_the_models_own_and_batching_free(megatron_single, toke
     assert four == again  # deterministic
 
 
+def test_a_continuation_inside_the_contexts_last_token_scores_that_token(megatron_single,
+                                                                          tokenizer):
+    """``"Q: red\\nA: blu"`` + ``"e"``: the whole text ends in one token ``blue``, so
+    lm-eval's split leaves no continuation token (its ``hf`` model asserts on that). The
+    last token moves into the continuation; the other requests are scored as ever."""
+    from lm_eval.api.model import TemplateLM
+
+    model = model_for("vanilla")
+    lm = DepthmixLM(model=(model, tokenizer), batch_size=2)
+    merged = ("Q: red\nA: blu", "e")
+    assert TemplateLM._encode_pair(lm, *merged)[1] == []  # the case arises here
+    requests = [REQUESTS[0], merged, REQUESTS[1]]
+    scores = lm.loglikelihood(_instances("loglikelihood", requests), disable_tqdm=True)
+    whole = tokenizer.encode("".join(merged))
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([whole[:-1]]))[0, -1].float(), -1)
+    assert math.isclose(scores[1][0], float(logprobs[whole[-1]]), rel_tol=1e-6, abs_tol=1e-5)
+    for (ctx, cont), got in zip([REQUESTS[0], REQUESTS[1]], [scores[0], scores[2]]):
+        want = direct_loglikelihood(model, tokenizer, ctx, cont)
+        assert math.isclose(got[0], want[0], rel_tol=1e-6, abs_tol=1e-5), (ctx, got, want)
+
+
 def test_loglikelihood_rolling_sums_disjoint_windows(megatron_single, tokenizer):
     """A text longer than max_length: windows of 16 tokens, every token scored once."""
     model = model_for("vanilla")
@@ -189,6 +211,43 @@ def test_five_shot_local_tasks_through_lm_evals_evaluator(megatron_single, token
             assert math.isclose(resp[0][0], direct[0], rel_tol=1e-6), (resp, direct)
         best = max(range(4), key=lambda i: sample["resps"][i][0][0])
         assert sample["acc"] == float(best == sample["target"])
+
+
+def test_eval_tasks_run_in_the_precision_asked_for(megatron_single, tokenizer, task_dir,
+                                                   tmp_path):
+    """``depthmix-eval train.precision=bf16 eval.tasks=[...]`` on an fp32 checkpoint: the
+    tasks' log-likelihoods are a bf16 forward's (not fp32's) and the results say bf16."""
+    from depthmix.evaluate.job import compose_job, run_job
+    from depthmix.inference.load import load_model
+    from depthmix.testing import train_and_save
+
+    run = tiny_run("vanilla")
+    run.model.vocab_size, run.model.seq_length = 320, 256
+    run.train.micro_batch_size = run.train.global_batch_size = 1
+    run.logger.wandb = False
+    ckpt = train_and_save(run, str(tmp_path / "ckpt"), tokenizer.path)
+    results = run_job(compose_job(
+        f"eval.checkpoint={ckpt}", "eval.tasks=[dm_ppl]", f"eval.include_path={task_dir}",
+        "eval.limit=3", "eval.batch_size=1", "train.precision=bf16", "logger=none",
+        f"eval.output={tmp_path}/bf16.json"))
+    assert results["precision"] == "bf16" and results["tasks_dtype"] == "bfloat16"
+    with open(task_dir / "test.jsonl") as f:
+        texts = [json.loads(line)["text"] for line in f][:3]
+
+    def word_perplexity(dtype):
+        model = load_model(ckpt, impl="torch", dtype=dtype).model
+        total = 0.0
+        for text in texts:  # one rolling window each: the end-of-document token first
+            ids = tokenizer.encode(text)
+            with torch.no_grad():
+                logits = model(torch.tensor([[tokenizer.eod] + ids[:-1]]))[0, :, :320]
+            logprobs = torch.log_softmax(logits.float(), -1)
+            total += float(logprobs.gather(-1, torch.tensor(ids)[:, None]).sum())
+        return math.exp(-total / sum(len(t.split()) for t in texts))
+
+    got = results["tasks"]["results"]["dm_ppl"]["word_perplexity,none"]
+    assert math.isclose(got, word_perplexity(torch.bfloat16), rel_tol=1e-6)
+    assert not math.isclose(got, word_perplexity(torch.float32), rel_tol=1e-4)
 
 
 def test_unknown_task_lists_close_matches(megatron_single, tokenizer, task_dir):

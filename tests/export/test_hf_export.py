@@ -11,7 +11,7 @@ from depthmix.data.tokenizer import HFTokenizer, train_bpe_tokenizer
 from depthmix.cli.export import main as export_main
 from depthmix.inference.generate import generate
 from depthmix.inference.load import load_model
-from depthmix.testing import SyntheticData, spawn, tiny_run
+from depthmix.testing import spawn, tiny_run, train_and_save
 
 VOCAB = 300  # real vocabulary; the embedding is padded to 320 (384 at TP2)
 TEXTS = ["the quick brown fox jumps over the lazy dog", "depth mixing reads earlier layers",
@@ -34,23 +34,6 @@ def make_run(mixer="vanilla", tp=1, **options):
     run.logger.wandb, run.logger.mode, run.logger.progress = False, "disabled", False
     run.parallel.tp = tp
     return run
-
-
-def train_and_save(run, root, tokenizer):
-    """One step of ``run``, then a checkpoint carrying ``tokenizer``. Collective."""
-    from megatron.core import parallel_state
-
-    from depthmix.checkpoint import distributed as ckpt
-    from depthmix.pretrain.trainer import Trainer
-
-    run.train.save_dir, run.output_dir = root, os.path.dirname(root)
-    trainer = Trainer(run, data=SyntheticData, callbacks=[])
-    trainer.train_one_step()
-    trainer.data.tokenizer = HFTokenizer(tokenizer)  # saved beside the weights
-    path = trainer.save_checkpoint(root)
-    del trainer
-    parallel_state.destroy_model_parallel()
-    return path
 
 
 def ours_and_hf(ckpt_dir, out_dir, **hf_kwargs):
@@ -102,6 +85,30 @@ def test_vanilla_loads_without_custom_code_and_matches(vanilla_export, tokenizer
     assert "auto_map" not in config
 
 
+def test_lm_evals_hf_model_scores_the_export_as_our_adapter_does(vanilla_export, monkeypatch):
+    """``pip install -e '.[dev]'`` brings lm-eval's own ``hf`` model (accelerate): offline,
+    on the exported directory, its log-likelihoods are our adapter's on the checkpoint."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from depthmix.evaluate.harness import DepthmixLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ckpt_dir, out = vanilla_export
+    if not os.path.exists(os.path.join(out, "config.json")):
+        assert export_main([ckpt_dir, out]) == 0
+    requests = [("the quick brown", " fox jumps over"), ("depth mixing", " reads earlier"),
+                ("a tiny model for", " a tiny test")]
+    instances = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i)
+                 for i, r in enumerate(requests)]
+    theirs = HFLM(pretrained=out, device="cpu", dtype="float32", batch_size=2).loglikelihood(
+        instances, disable_tqdm=True)
+    ours = DepthmixLM(model=load_model(ckpt_dir), batch_size=2).loglikelihood(
+        instances, disable_tqdm=True)
+    for request, (a, a_greedy), (b, b_greedy) in zip(requests, theirs, ours):
+        assert abs(a - b) < 1e-4 and a_greedy == b_greedy, (request, a, b)
+
+
 @pytest.mark.parametrize("options", [{}, {"stride": 1, "source_mode": "relative"},
                                      {"stride": 3, "mix_rule": "uniform"}],
                          ids=["default-stride", "stride1-relative", "stride3-uniform"])
@@ -119,15 +126,27 @@ def test_depth_attn_through_remote_code_matches(megatron_single, tokenizer_file,
                                    min_new_tokens=4), mine)
 
 
-def test_depth_attn_export_needs_trust_remote_code(megatron_single, tokenizer_file, tmp_path):
-    """Without remote code the directory must not load as a plain Qwen3 (silently wrong)."""
-    from transformers import AutoModelForCausalLM
+def test_depth_attn_export_needs_trust_remote_code(megatron_single, tokenizer_file, tmp_path,
+                                                   monkeypatch):
+    """Without remote code the directory must not load as a plain Qwen3 (silently wrong);
+    its tokenizer loads as docs/evaluation.md shows, without the "custom code [y/N]"
+    question (``input`` fails the test if asked)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     ckpt_dir = train_and_save(make_run("depth_attn"), str(tmp_path / "ckpt"), tokenizer_file)
     out = str(tmp_path / "hf_depth_attn_plain")
     assert export_main([ckpt_dir, out]) == 0
     with pytest.raises(Exception, match="trust_remote_code"):
         AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
+
+    def asked(prompt=""):
+        raise AssertionError(f"prompted: {prompt}")
+
+    monkeypatch.setattr("builtins.input", asked)
+    ours = HFTokenizer(tokenizer_file).encode("depth mixing reads")
+    for tok in (PreTrainedTokenizerFast.from_pretrained(out),
+                AutoTokenizer.from_pretrained(out, trust_remote_code=True)):
+        assert tok("depth mixing reads")["input_ids"] == ours
 
 
 @pytest.mark.parametrize("mixer,options,message", [
