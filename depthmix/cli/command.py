@@ -39,6 +39,9 @@ def command(main: Optional[Callable[..., Optional[int]]] = None, *,
             except input_errors as e:
                 print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
                 return exit_codes.CRASH
+            except BrokenPipeError:  # `depthmix-eval --help | head`: the reader has gone
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return exit_codes.OK
             return exit_codes.OK if status is None else status
 
         return run
