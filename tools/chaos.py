@@ -13,9 +13,9 @@ until it finishes. The faults, drawn in turn:
 * ``kill_in_save``: SIGKILL of every process while a background checkpoint write is in
   flight (the writers are slowed by ``DEPTHMIX_CKPT_WRITER_DELAY`` for that attempt).
 
-Reported: whether every step's loss (every attempt's, to the last bit), the final
-checkpoint's weights and optimizer state (its shard files, byte for byte) and the final
-evaluation loss equal the uninterrupted run's, and whether any process outlived an attempt.
+Reported: whether every step's loss (every attempt's, to the last bit), everything in the
+final checkpoint (weights, optimizer state, schedule, RNG states, data position; each
+tensor with ``torch.equal``) and the final evaluation loss equal the uninterrupted run's, and whether any process outlived an attempt.
 Exit status 0 when all hold, 1 otherwise.
 
     python tools/chaos.py --faults 20 parallel=pp2 mixer=attnres_block
@@ -252,14 +252,40 @@ def _finished(save_dir: str, steps: int) -> bool:
         return False
 
 
-def _shards(save_dir: str, steps: int) -> dict:
+def _state(save_dir: str, steps: int) -> dict:
+    """Everything in the checkpoint of ``steps`` (weights, optimizer, schedule, RNG, data
+    position) by key, or {} when it is missing."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     path = os.path.join(save_dir, f"iter_{steps:07d}")
-    out = {}
-    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
-        if name.endswith(".distcp"):
-            with open(os.path.join(path, name), "rb") as f:
-                out[name] = f.read()
-    return out
+    if not os.path.isdir(path):
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, os.path.join(tmp, "state.pt"))
+        return torch.load(os.path.join(tmp, "state.pt"), weights_only=False)
+
+
+def _equal(a, b) -> bool:
+    import numpy as np
+    import torch
+
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _differing(ref: dict, got: dict) -> list:
+    if not ref:
+        return ["<the uninterrupted run has no final checkpoint>"]
+    keys = sorted(set(ref) | set(got))
+    return [k for k in keys if k not in ref or k not in got or not _equal(ref[k], got[k])]
 
 
 def chaos(args) -> dict:
@@ -305,16 +331,17 @@ def chaos(args) -> dict:
         all(k in expected and v == expected[k] for k, v in got.items() if k[0] == "step")
     evals = [k for k in expected if k[0] == "eval"]
     eval_equal = bool(evals) and all(got.get(k) == expected[k] for k in evals)
-    ref_shards = _shards(os.path.join(ref["dir"], "ckpt"), args.steps)
-    weights_equal = bool(ref_shards) and \
-        ref_shards == _shards(os.path.join(run["dir"], "ckpt"), args.steps)
+    differing = _differing(_state(os.path.join(ref["dir"], "ckpt"), args.steps),
+                           _state(os.path.join(run["dir"], "ckpt"), args.steps))
+    weights_equal = not differing
     survivors = sum(len(a["survivors"]) for a in attempts) + len(result["survivors"])
     report = {
         "overrides": args.overrides, "nproc": args.nproc, "steps": args.steps,
         "faults": args.faults, "seed": args.seed, "faults_hit": sum(a["hit"] for a in attempts),
         "attempts": len(attempts), "steps_compared": len(step_keys),
         "losses_equal": loss_equal, "final_weights_equal": weights_equal,
-        "final_eval_equal": eval_equal, "survivors": survivors,
+        "final_eval_equal": eval_equal, "differing_in_final_checkpoint": differing[:10],
+        "survivors": survivors,
         "finished": _finished(os.path.join(run["dir"], "ckpt"), args.steps),
         "seconds": round(time.monotonic() - began, 1), "attempt_log": attempts,
         "dir": workroot,
