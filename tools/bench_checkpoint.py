@@ -41,7 +41,7 @@ def make_run(shape: str, out: str):
         layers, hidden = (int(x) for x in shape.lower().split("x"))
         m = run.model
         m.num_layers, m.hidden_size, m.ffn_hidden_size = layers, hidden, hidden * 8 // 3
-        m.num_attention_heads, m.num_query_groups, m.kv_channels = hidden // 64, hidden // 128, 64
+        m.num_attention_heads, m.num_query_groups = hidden // 64, hidden // 128
         m.vocab_size = 4096
     t = run.train
     t.micro_batch_size = t.global_batch_size = 1
