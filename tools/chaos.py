@@ -53,7 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--faults", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc-per-node)")
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps (default: enough for every fault to hit, "
+                        "max(12, 2 x faults + 6))")
     p.add_argument("--save-interval", type=int, default=2)
     p.add_argument("--writer-delay", type=float, default=2.0,
                    help="seconds each writer is held in a kill_in_save attempt")
@@ -181,9 +183,10 @@ def run_job(args, overrides, workdir, fault=None, rng=None) -> dict:
     env = {WRITER_DELAY_ENV: str(args.writer_delay)} if fault == "kill_in_save" else {}
     before = _steps_logged(losses)
     attempt = Attempt(args, overrides, workdir, losses, env)
-    wait = 0.0
-    if rng is not None:  # a background write lasts about the writer delay
-        wait = rng.uniform(0.0, args.writer_delay / 2 if fault == "kill_in_save" else 4.0)
+    # the moment: after 1-3 new steps of this attempt and up to half a second more; a
+    # kill_in_save once this attempt's first background write is in flight
+    after = before + (rng.randint(1, 3) if rng else 0)
+    wait = rng.uniform(0.0, 0.5) if rng else 0.0
     hit_at = None
     try:
         while attempt.p.poll() is None:
@@ -192,19 +195,17 @@ def run_job(args, overrides, workdir, fault=None, rng=None) -> dict:
                 attempt.kill_all()
                 raise RuntimeError(f"attempt timed out; see {workdir}/console.log")
             if fault and hit_at is None:
-                ready = _steps_logged(losses) > before
+                done = _steps_logged(losses)
                 if fault == "kill_in_save":
-                    ready = ready and any(n.startswith(".tmp_iter_")
-                                          for n in os.listdir(save_dir)) \
-                        if os.path.isdir(save_dir) else False
-                if ready and wait <= 0:
+                    ready = done > before and os.path.isdir(save_dir) and any(
+                        n.startswith(".tmp_iter_") for n in os.listdir(save_dir))
+                else:
+                    ready = done >= after
+                if ready:
+                    time.sleep(wait if fault != "kill_in_save" else 0.0)
                     hit_at = _steps_logged(losses)
                     _inject(attempt, fault, rng)
-                elif ready:
-                    time.sleep(min(wait, 0.5))
-                    wait -= 0.5
-                    continue
-            time.sleep(0.1)
+            time.sleep(0.05)
     finally:
         if attempt.p.poll() is None:
             attempt.kill_all()
@@ -289,6 +290,8 @@ def _differing(ref: dict, got: dict) -> list:
 
 
 def chaos(args) -> dict:
+    if args.steps is None:
+        args.steps = max(12, 2 * args.faults + 6)
     workroot = args.dir or tempfile.mkdtemp(prefix="chaos_")
     given = {o.split("=", 1)[0] for o in args.overrides}
     base = [*QUICK, f"train.steps={args.steps}", f"train.eval_interval={args.steps}",
@@ -316,6 +319,8 @@ def chaos(args) -> dict:
     attempts, faults = [], [FAULTS[i % len(FAULTS)] for i in range(args.faults)]
     rng.shuffle(faults)
     for fault in faults:
+        if _finished(os.path.join(run["dir"], "ckpt"), args.steps):
+            break  # (more steps: --steps)
         attempts.append(run_job(args, run["overrides"], run["dir"], fault, rng))
         print(f"attempt {len(attempts)}: {fault}, exit {attempts[-1]['code']}, "
               f"{'hit' if attempts[-1]['hit'] else 'finished before the fault'}, "
