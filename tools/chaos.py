@@ -363,6 +363,8 @@ def main(argv=None) -> int:
     if argv[:1] == ["--worker"]:
         worker()
     args = parse_args(argv)
+    # stopped itself: unwind, so the running attempt's processes are killed (run_job)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     report = chaos(args)
     summary = {k: v for k, v in report.items() if k != "attempt_log"}
     print(json.dumps(summary, indent=2))
