@@ -338,14 +338,15 @@ def chaos(args) -> dict:
     eval_equal = bool(evals) and all(got.get(k) == expected[k] for k in evals)
     differing = _differing(_state(os.path.join(ref["dir"], "ckpt"), args.steps),
                            _state(os.path.join(run["dir"], "ckpt"), args.steps))
-    weights_equal = not differing
+    weights_equal = not any(k.startswith("model") for k in differing)
     survivors = sum(len(a["survivors"]) for a in attempts) + len(result["survivors"])
     report = {
         "overrides": args.overrides, "nproc": args.nproc, "steps": args.steps,
         "faults": args.faults, "seed": args.seed, "faults_hit": sum(a["hit"] for a in attempts),
         "attempts": len(attempts), "steps_compared": len(step_keys),
         "losses_equal": loss_equal, "final_weights_equal": weights_equal,
-        "final_eval_equal": eval_equal, "differing_in_final_checkpoint": differing[:10],
+        "final_eval_equal": eval_equal, "final_checkpoint_equal": not differing,
+        "differing_in_final_checkpoint": differing[:10],
         "survivors": survivors,
         "finished": _finished(os.path.join(run["dir"], "ckpt"), args.steps),
         "seconds": round(time.monotonic() - began, 1), "attempt_log": attempts,
