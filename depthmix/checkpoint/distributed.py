@@ -172,6 +172,23 @@ def _load_strategy(path: str, fully_parallel: bool):
 # ---------------------------------------------------------------------------------------
 
 
+@dataclass
+class Written:
+    """A checkpoint whose shards are being (or have been) written into its temporary
+    directory; :func:`publish` makes it visible. ``request``: the background write that
+    :class:`~depthmix.checkpoint.background.BackgroundSaves` runs (None when written)."""
+
+    root: str
+    step: int
+    meta: dict
+    tokenizer: Optional[str]
+    integrity: str
+    keep_last: int
+    estimate: Optional[int]
+    started: float
+    request: object = None
+
+
 def save(root: str, *, run, model, optimizer, scheduler, topo, step: int,
          consumed_samples: int, keep_last: int = 2, estimate: Optional[int] = None,
          health: Optional[dict] = None, tokenizer: Optional[str] = None,
@@ -182,44 +199,69 @@ def save(root: str, *, run, model, optimizer, scheduler, topo, step: int,
     ``estimate``: the expected size in bytes (room is made for it before writing);
     ``health``: the health record (:meth:`HealthGuard.mark`, default healthy);
     ``tokenizer``: the run's tokenizer file, copied in."""
+    written = write(root, run=run, model=model, optimizer=optimizer, scheduler=scheduler,
+                    topo=topo, step=step, consumed_samples=consumed_samples,
+                    keep_last=keep_last, estimate=estimate, health=health,
+                    tokenizer=tokenizer, extra_meta=extra_meta)
+    with guard.failing(root, step, estimate):
+        final = publish(written)
+    log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - written.started)
+    return final
+
+
+def write(root: str, *, run, model, optimizer, scheduler, topo, step: int,
+          consumed_samples: int, keep_last: int = 2, estimate: Optional[int] = None,
+          health: Optional[dict] = None, tokenizer: Optional[str] = None,
+          extra_meta: Optional[dict] = None, background: bool = False) -> Written:
+    """Collective: room is made (:func:`guard.prepare`), then every rank writes its shards of
+    ``step`` into the temporary directory; with ``background`` only the write's plan is
+    made and :attr:`Written.request` holds the write itself (Megatron's asynchronous save)."""
     t = run.train
     health = health if health is not None else {"healthy": True}
-    tmp = store.tmp_dir(root, step)
-    rank = dist.get_rank()
-    start = time.perf_counter()
-    with guard.saving(root, step, keep_last=keep_last, estimate=estimate, health=health):
-        if rank == 0:
+    started = time.perf_counter()
+    guard.prepare(root, step, keep_last=keep_last, estimate=estimate, health=health)
+    written = Written(root, step, {
+        "format_version": store.FORMAT_VERSION,
+        "step": step,
+        "consumed_train_samples": consumed_samples,
+        "layout": Layout.of(topo, run).__dict__,
+        "optim_format": t.ckpt_optim_format,
+        "world_size": dist.get_world_size(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "record": record(run),
+        "health": health,
+        "integrity": t.ckpt_integrity,
+        **(extra_meta or {}),
+    }, tokenizer, t.ckpt_integrity, keep_last, estimate, started)
+    with guard.failing(root, step, estimate):
+        tmp = store.tmp_dir(root, step)
+        if dist.get_rank() == 0:
             os.makedirs(tmp)
         dist.barrier()
         sharded = sharded_state_dict(model, optimizer, scheduler, topo, (step, consumed_samples),
                                      is_loading=False, optim_format=t.ckpt_optim_format)
-        dist_checkpointing.save(sharded, tmp,
-                                sharded_strategy=_save_strategy(t.ckpt_fully_parallel))
-        dist.barrier()
-        if rank == 0:
-            store.copy_tokenizer(tmp, tokenizer)
-        files = integrity.manifest(tmp, t.ckpt_integrity, exclude=(store.META,))  # collective
-        if rank == 0:
-            store.write_meta(tmp, {
-                "format_version": store.FORMAT_VERSION,
-                "step": step,
-                "consumed_train_samples": consumed_samples,
-                "layout": Layout.of(topo, run).__dict__,
-                "optim_format": t.ckpt_optim_format,
-                "world_size": dist.get_world_size(),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "record": record(run),
-                "health": health,
-                "integrity": t.ckpt_integrity,
-                "files": files,
-                **(extra_meta or {}),
-            })
-            store.publish(root, step)
-            retention.prune(root, keep_last, step)
-        dist.barrier()
-    final = store.step_dir(root, step)
-    log.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
-    return final
+        written.request = dist_checkpointing.save(
+            sharded, tmp, sharded_strategy=_save_strategy(t.ckpt_fully_parallel),
+            async_sharded_save=background)
+    return written
+
+
+def publish(written: Written) -> str:
+    """Collective, once every rank's shards are written: checksums, ``depthmix.json``, the
+    rename to ``iter_*`` and the tracker (:func:`store.publish`), retention. Returns the
+    checkpoint's path."""
+    root, step, rank = written.root, written.step, dist.get_rank()
+    tmp = store.tmp_dir(root, step)
+    dist.barrier()
+    if rank == 0:
+        store.copy_tokenizer(tmp, written.tokenizer)
+    files = integrity.manifest(tmp, written.integrity, exclude=(store.META,))  # collective
+    if rank == 0:
+        store.write_meta(tmp, {**written.meta, "files": files})
+        store.publish(root, step)
+        retention.prune(root, written.keep_last, step)
+    dist.barrier()
+    return store.step_dir(root, step)
 
 
 # ---------------------------------------------------------------------------------------

@@ -316,6 +316,7 @@ class SaveGuard:
             try:
                 check_writable(root)
                 lock = SaveLock(root).acquire()
+                retention.clean_leftovers(root)  # an interrupted (background) write's
                 problem = make_room(root, step, run.train.keep_last, estimate,
                                     {"healthy": True, "confirmed": False}, dry=True)
             except (ConfigError, OSError) as e:
@@ -333,13 +334,10 @@ class SaveGuard:
             self.lock.release()
 
 
-@contextlib.contextmanager
-def saving(root: str, step: int, *, keep_last: int, estimate: Optional[int], health: dict):
-    """Collective, around writing and publishing the checkpoint of ``step``: before it,
-    leftovers are removed and room is made (:func:`make_room`; :class:`SaveError` on every
-    rank when it cannot fit); when it raises, its temporary directory is removed and
-    :class:`SaveError` says what ran out."""
-    tmp = store.tmp_dir(root, step)
+def prepare(root: str, step: int, *, keep_last: int, estimate: Optional[int],
+            health: dict) -> None:
+    """Collective, before writing the checkpoint of ``step``: leftovers are removed and room
+    is made (:func:`make_room`); :class:`SaveError` on every rank when it cannot fit."""
     problem = None
     if dist.get_rank() == 0:
         try:
@@ -352,12 +350,20 @@ def saving(root: str, step: int, *, keep_last: int, estimate: Optional[int], hea
     if problem:
         log.error("%s", problem)
         raise SaveError(problem)
+
+
+@contextlib.contextmanager
+def failing(root: str, step: int, estimate: Optional[int]):
+    """Around writing or publishing the checkpoint of ``step`` (also a background write's
+    completion): when it raises, its temporary directory is removed and :class:`SaveError`
+    says what ran out and what is intact."""
+    tmp = store.tmp_dir(root, step)
     try:
         yield
     except BaseException as exc:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit, SaveError)):
             raise  # (torch's CheckpointException is a BaseException: handled below)
         try:
             previous = store.latest_checkpoint(root)
@@ -373,6 +379,15 @@ def saving(root: str, step: int, *, keep_last: int, estimate: Optional[int], hea
                       if previous else "There is no earlier checkpoint."))
         log.error("%s", message)
         raise SaveError(message) from exc
+
+
+@contextlib.contextmanager
+def saving(root: str, step: int, *, keep_last: int, estimate: Optional[int], health: dict):
+    """Collective, around writing and publishing the checkpoint of ``step``:
+    :func:`prepare`, then :func:`failing`."""
+    prepare(root, step, keep_last=keep_last, estimate=estimate, health=health)
+    with failing(root, step, estimate):
+        yield
 
 
 def _what_ran_out(exc: BaseException) -> str:

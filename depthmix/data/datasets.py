@@ -236,8 +236,11 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _loader(dataset, sampler: PretrainingBatchSampler, num_workers: int):
+    # its own generator: creating an iterator draws a seed, which from torch's global one
+    # would shift the RNG state a resumed run restored (it then differs from an
+    # uninterrupted run's)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
-                                       num_workers=num_workers,
+                                       num_workers=num_workers, generator=torch.Generator(),
                                        persistent_workers=num_workers > 0)
 
 

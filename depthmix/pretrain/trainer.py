@@ -141,17 +141,25 @@ class Trainer:
         return loaded
 
     def save_checkpoint(self, root: Optional[str] = None, keep_last: int = 2,
-                        estimate: Optional[int] = None, extra_meta: Optional[dict] = None) -> str:
+                        estimate: Optional[int] = None, extra_meta: Optional[dict] = None,
+                        background=None) -> str:
         """Collective: save the current state under ``root`` (default the run's save
-        directory); returns the checkpoint's path."""
+        directory); returns the checkpoint's path. With ``background`` (a
+        :class:`~depthmix.checkpoint.background.BackgroundSaves`) the write is handed to it
+        and the checkpoint appears at that path once it publishes it."""
         tokenizer = getattr(getattr(getattr(self, "data", None), "tokenizer", None), "path", None)
         health = self.health.mark(self.last)
         overlap.sync_params(self.model)  # the weights the last update made, whole
-        path = distributed.save(
-            root or self.state.save_dir, run=self.run, model=self.model,
-            optimizer=self.optimizer, scheduler=self.scheduler, topo=self.topo, step=self.step,
-            consumed_samples=self.consumed_samples, keep_last=keep_last, estimate=estimate,
-            health=health, tokenizer=tokenizer, extra_meta=extra_meta)
+        save = dict(run=self.run, model=self.model, optimizer=self.optimizer,
+                    scheduler=self.scheduler, topo=self.topo, step=self.step,
+                    consumed_samples=self.consumed_samples, keep_last=keep_last,
+                    estimate=estimate, health=health, tokenizer=tokenizer,
+                    extra_meta=extra_meta)
+        root = root or self.state.save_dir
+        if background is not None:
+            background.start(root, **save)
+            return store.step_dir(root, self.step)
+        path = distributed.save(root, **save)
         self.state.unconfirmed = path if health["healthy"] else None
         return path
 

@@ -5,7 +5,7 @@
   as one line (:class:`depthmix.runtime.log.LibraryWarnings`).
 * :class:`~depthmix.runtime.cpu.CpuShim`: Megatron on CPU + gloo (only when CUDA is absent).
 * :class:`QuietTpGroup`: Megatron's default-TP-group lookup without its deprecation warning.
-* :class:`ForkedHelpers`: helper processes die with the trainer; synchronous saves need no
+* :class:`ForkedHelpers`: helper processes die with the trainer; checkpoint writers need no
   ``multiprocessing`` Manager process.
 * :class:`LocksReleasedAtExit`: the save directory's lock is released at exit.
 """
@@ -15,10 +15,14 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import pickle
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import threading
+import time
 import warnings
 from typing import List
 
@@ -93,14 +97,46 @@ def _before_fork() -> None:
     _fork["parent"] = os.getpid() if _fork["active"] and main else None
 
 
+def helpers_die_with_process() -> bool:
+    """Processes forked from the main thread now die with this one (:class:`ForkedHelpers`
+    is installed, on Linux): a background checkpoint writer cannot outlive the trainer."""
+    return _fork["active"] and sys.platform.startswith("linux")
+
+
+class ResultsQueue:
+    """What Megatron's checkpoint writers hand their results back through, as files: it
+    works from a forked background writer (``train.async_save``) as well as in-process, and
+    needs no ``multiprocessing`` Manager process (a pipe could fill before it is read)."""
+
+    def __init__(self):
+        self.directory = tempfile.mkdtemp(prefix="depthmix-save-results-")
+
+    def put(self, item) -> None:
+        path = os.path.join(self.directory, f"{time.time_ns():020d}_{os.getpid()}")
+        with open(f"{path}.tmp", "wb") as f:
+            pickle.dump(item, f)
+        os.replace(f"{path}.tmp", path)
+
+    def get_nowait(self):
+        names = sorted(n for n in os.listdir(self.directory) if not n.endswith(".tmp"))
+        if not names:
+            raise queue.Empty
+        path = os.path.join(self.directory, names[0])
+        with open(path, "rb") as f:
+            item = pickle.load(f)
+        os.unlink(path)
+        return item
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 class ForkedHelpers:
     """No helper process outlives the trainer.
 
-    Megatron's synchronous save writes through ``fork``-ed writer processes and, on first
-    use, starts a ``multiprocessing`` Manager (a spawned ~400 MB process) only to carry their
-    results back to this same process: it gets a plain in-process queue instead (its
-    ``FileSystemWriterAsync`` queue is made for asynchronous saves, where another process
-    finalizes). And every process forked from the main thread asks the kernel for SIGKILL
+    Megatron's save writes through ``fork``-ed writer processes and, on first use, starts a
+    ``multiprocessing`` Manager (a spawned ~400 MB process) only to carry their results
+    back: it gets a :class:`ResultsQueue` (files) instead. And every process forked from the main thread asks the kernel for SIGKILL
     when its parent dies (Linux ``PR_SET_PDEATHSIG``), so ``kill -9`` of the trainer leaves
     nothing behind."""
 
@@ -111,7 +147,7 @@ class ForkedHelpers:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
         if getattr(filesystem_async, "_results_queue", "absent") is None:
-            self._queue = filesystem_async._results_queue = queue.Queue()
+            self._queue = filesystem_async._results_queue = ResultsQueue()
         if not sys.platform.startswith("linux"):
             return
         if not _fork["registered"]:
@@ -134,6 +170,8 @@ class ForkedHelpers:
         _fork["active"] = False
         if self._queue is not None and filesystem_async._results_queue is self._queue:
             filesystem_async._results_queue = None
+        if self._queue is not None:
+            self._queue.close()
         self._queue = None
 
 

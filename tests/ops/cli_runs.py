@@ -111,16 +111,24 @@ def torchrun(nproc: int, args, cwd, env, timeout=300) -> Proc:
 
 
 def rank_processes(root_pid: int) -> dict:
-    """{rank: psutil.Process} of the training ranks below ``root_pid``."""
+    """{rank: psutil.Process} of the training ranks below ``root_pid`` (not the processes a
+    rank forked, e.g. background checkpoint writers, which share its command and env)."""
     import psutil
 
-    out = {}
+    found = {}
     for proc in psutil.Process(root_pid).children(recursive=True):
         try:
             env = proc.environ()
             if "depthmix.cli.train" in " ".join(proc.cmdline()) and "RANK" in env \
                     and "TORCHELASTIC_RUN_ID" in env:
-                out[int(env["RANK"])] = proc
+                found[proc.pid] = (int(env["RANK"]), proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    out = {}
+    for rank, proc in found.values():
+        try:
+            if proc.ppid() not in found:
+                out[rank] = proc
+        except psutil.NoSuchProcess:
             pass
     return out
