@@ -147,7 +147,7 @@ def test_other_configuration_is_refused_before_the_model_is_built(saved, tmp_pat
 
     monkeypatch.setattr(trainer_module, "build_model", no_model)
     run = _run(tmp_path, mixer="depth_attn")
-    with pytest.raises(ConfigError, match="mixer.name: checkpoint 'vanilla', this run "
+    with pytest.raises(ConfigError, match="(?s)mixer.name: checkpoint 'vanilla', this run "
                                           "'depth_attn'.*train.load_weights_only=true"):
         Trainer(run, data=SyntheticData, callbacks=[CheckpointCallback()])
     # through train.load_dir, and one differing option of each kind
