@@ -8,6 +8,64 @@ if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+from process_launches import Launches  # noqa: E402
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+MULTIPROC_GROUP = "multiproc"
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one worker per core, and none (a plain in-process
+    run, so ``--pdb``/``-s``/breakpoints work) for named tests (``path::test``) or a debugger."""
+    if config.option.usepdb or config.option.trace or any("::" in a for a in config.args):
+        return 0
+    return CORES
+
+
+def pytest_configure(config):
+    # torch threads per xdist worker: workers x threads = cores
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, CORES // workers))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every ``multiproc`` test in one xdist group (named before xdist reads the groups), so
+    at most one multi-rank test runs at a time while the other workers take single-process
+    tests. xdist hands out the largest group first: the long serial lane starts at once."""
+    for item in items:
+        if item.get_closest_marker("multiproc"):
+            item.add_marker(pytest.mark.xdist_group(MULTIPROC_GROUP))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.launches = Launches()
+    item.launches.install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test that had more than one process of its own running at once (its setup
+    included: session fixtures that spawn ranks) fails unless it is marked ``multiproc``."""
+    try:
+        result = yield
+    finally:
+        item.launches.uninstall()
+    if item.launches.peak > 1 and not item.get_closest_marker("multiproc"):
+        pytest.fail(f"started {item.launches.peak} processes at once: mark it "
+                    "@pytest.mark.multiproc", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    if hasattr(item, "launches"):
+        item.launches.uninstall()
+
 
 @pytest.fixture(scope="session", autouse=True)
 def depthmix_runtime():
