@@ -84,3 +84,29 @@ def megatron_single():
 
     init_single_process()
     yield
+
+
+TINY_TRAINING = ["model=tiny", "logger=none", "train.steps=60", "train.log_interval=20",
+                 "train.eval_interval=60", "train.eval_iters=2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_training(tmp_path_factory):
+    """``depthmix-train`` of the README's tiny model on the embedded corpus (60 steps, eval
+    at 60), run once for the whole session, xdist workers included. Returns (the run
+    directory, its console output). Read-only: a test that writes into it copies it first
+    (``shutil.copytree``)."""
+    from filelock import FileLock
+
+    from cli_processes import run
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "tiny_training"
+    done = root / "console.txt"
+    root.mkdir(exist_ok=True)
+    with FileLock(str(root / "lock")):
+        if not done.exists():
+            out = run("depthmix-train", [*TINY_TRAINING, f"hydra.run.dir={root}/run",
+                                         f"data.cache_dir={root}/cache"], timeout=600).stdout
+            done.write_text(out)
+    return root / "run", done.read_text()
