@@ -34,4 +34,5 @@ def test_before_and_after(tmp_path, capsys):
     before.write_text(XML)
     after.write_text(XML.replace('time="4.25"', 'time="1.25"'))
     _tool().main([str(before), str(after), "--top", "1"])
-    assert capsys.readouterr().out.splitlines()[1] == "tests/test_b.py | 4.2 | 1.2 | -3.0 | 1 | 1 | 0"
+    row = capsys.readouterr().out.splitlines()[1]
+    assert row == "tests/test_b.py | 4.2 | 1.2 | -3.0 | 1 | 1 | 0"
