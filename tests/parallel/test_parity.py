@@ -4,9 +4,10 @@ Each layout trains all registered mixers for 3 steps in real processes (real Meg
 parallel state, real P2P; one group of processes per world size) from the same seed,
 which gives the same initial weights at every layout. Compared with one rank: the 3 losses
 (relative 1e-5) and the gradients after step 1, relative to the gradient norm: the whole
-gradient and every parameter's error within 1e-5 of the global norm. (Not each tensor relative to its own
-norm: a tensor whose gradient is a near-cancelling sum, e.g. DDL's layer-0 read vector
-with norm 1e-5, already differs by 1e-4 between fp32 and fp64 on one rank.)
+gradient and every parameter's error within 1e-5 of the global norm. (Not each tensor
+relative to its own norm: a tensor whose gradient is a near-cancelling sum, e.g. DDL's
+layer-0 read vector with norm 1e-5, already differs by 1e-4 between fp32 and fp64 on one
+rank.)
 """
 
 
