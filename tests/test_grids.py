@@ -1,4 +1,4 @@
-"""Every registered mixer runs in every shared grid: a grid that drops a mixer (a filter, a
+"""Every registered mixer runs in every shared grid (and trains in the golden losses): a grid that drops a mixer (a filter, a
 hard-coded list, a grid cut to save time) fails here, naming the grid and the mixers."""
 
 import importlib
@@ -28,6 +28,8 @@ GRIDS = {
     "pretrain/test_compile.py": lambda m: set(m.MIXERS),
     "ops/test_memory_model.py": lambda m: {mixer for mixer, _ in m._cases()},
     "kernels/test_dispatch.py": lambda m: {mixer for mixer, _ in m.KERNEL_MIXERS.values()},
+    "golden/test_golden_losses.py": lambda m: {o.split("=", 1)[1] for case in m.CASES.values()
+                                               for o in case if o.startswith("mixer=")},
 }
 
 
