@@ -1,5 +1,6 @@
-"""Every registered mixer runs in every shared grid (and trains in the golden losses): a grid that drops a mixer (a filter, a
-hard-coded list, a grid cut to save time) fails here, naming the grid and the mixers."""
+"""Every registered mixer runs in every shared grid and in the golden losses: a grid that
+drops a mixer (a filter, a hard-coded list, a grid cut to save time) fails here, naming the
+grid and the mixers."""
 
 import importlib
 import os
