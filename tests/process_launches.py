@@ -3,7 +3,9 @@ to the ``multiproc`` marker (that marker keeps them off the second xdist worker'
 
 Watched: ``subprocess.Popen`` (a launcher counts as the ranks it starts: torchrun's
 ``--nproc-per-node``, ``NPROC_PER_NODE`` / ``DEPTHMIX_NPROC_PER_NODE`` in its environment)
-and ``multiprocessing`` process starts (spawned ranks, managers)."""
+and ``multiprocessing`` process starts (spawned ranks, managers, pools). Not counted:
+processes ``fork``-ed from the test's own process, helpers that share its memory for a
+moment (Megatron's checkpoint writers, two per save)."""
 
 from __future__ import annotations
 
@@ -49,7 +51,10 @@ class Launches:
 
         def start(process):
             process_start(process)
-            launches._started(process.is_alive, 1)
+            method = getattr(process, "_start_method", None) or \
+                multiprocessing.get_start_method(allow_none=True) or "fork"
+            if method != "fork":
+                launches._started(process.is_alive, 1)
 
         subprocess.Popen.__init__ = init
         multiprocessing.process.BaseProcess.start = start
