@@ -31,14 +31,23 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, CORES // workers))
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Every ``multiproc`` test in one xdist group (named before xdist reads the groups), so
     at most one multi-rank test runs at a time while the other workers take single-process
     tests. xdist hands out the largest group first: the long serial lane starts at once."""
-    for item in items:
-        if item.get_closest_marker("multiproc"):
-            item.add_marker(pytest.mark.xdist_group(MULTIPROC_GROUP))
+    multiproc = [item for item in items if item.get_closest_marker("multiproc")]
+    for item in multiproc:
+        item.add_marker(pytest.mark.xdist_group(MULTIPROC_GROUP))
+    result = yield
+    if getattr(config.option, "loadgroup", False):
+        # xdist 3.8 names the group in ``item._nodeid``, which pytest 9 no longer reads
+        from _pytest.nodeid import NodeId
+
+        for item in multiproc:
+            if not item.nodeid.endswith("@" + MULTIPROC_GROUP):
+                item._id = NodeId.parse(f"{item.nodeid}@{MULTIPROC_GROUP}")
+    return result
 
 
 @pytest.hookimpl(tryfirst=True)
