@@ -167,6 +167,10 @@ def two_ranks():
             for label, (mixers, _) in TWO_RANKS.items()}
 
 
+GROUP_TIMEOUT = pytest.mark.timeout(1500)  # the first test's setup trains the whole group
+
+
+@GROUP_TIMEOUT
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
@@ -209,6 +213,7 @@ def test_command_line_values(tmp_path):
         validate(run)
 
 
+@GROUP_TIMEOUT
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_parity_interleaved_pipeline_and_distributed_optimizer(two_ranks):
