@@ -7,6 +7,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
+# inductor compiles in the test's own process, not in a pool of worker processes: one core
+# per xdist worker
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 from process_launches import Launches  # noqa: E402
 
