@@ -12,12 +12,12 @@ import typing
 
 import pytest
 
+from cli_processes import PYTHON, clean_env, run
 from depthmix.cli import overrides as cli
 from depthmix.config import schema
 from depthmix.mixers import available, get_mixer
 from depthmix.config.validate import CHOICES, FREE_TEXT, SYNTAX
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GROUP_CLASSES = {"model": schema.ModelConfig, "parallel": schema.ParallelConfig,
                  "data": schema.DataConfig, "train": schema.TrainConfig,
                  "logger": schema.LoggerConfig, "": schema.RunConfig}
@@ -164,12 +164,11 @@ print(json.dumps({"code": code, "megatron": any(m.split(".")[0] == "megatron"
 
 
 def depthmix_train(tmp_path, *args, probe=False) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", DEPTHMIX_RUN_KEY="test")
-    env.pop("WORLD_SIZE", None)
-    cmd = ([sys.executable, "-c", PROBE] if probe
-           else [sys.executable, "-m", "depthmix.cli.train"])
-    return subprocess.run([*cmd, *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=180)
+    env = clean_env(DEPTHMIX_RUN_KEY="test", WORLD_SIZE=None)
+    if probe:
+        return subprocess.run([PYTHON, "-c", PROBE, *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=180)
+    return run("depthmix-train", args, cwd=tmp_path, env=env, timeout=180, check=False)
 
 
 def probe(proc) -> dict:
@@ -181,7 +180,7 @@ def test_help_dry_run_and_preprocess_do_not_import_megatron(tmp_path):
     assert probe(helped) == {"code": 0, "megatron": False, "torch": False}, helped.stderr
     assert "mixer=depth_attn options:" in helped.stdout and "_schema" not in helped.stdout
 
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = clean_env()
     preprocess = subprocess.run(
         [sys.executable, "-c", "import sys; from depthmix.cli.preprocess import main\n"
          "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
@@ -235,9 +234,9 @@ def test_a_submitit_job_registers_the_resolvers_as_it_unpickles_the_task(tmp_pat
     subprocess.run([sys.executable, "-c", "import cloudpickle, sys\n"
                     "from depthmix.cli.train import job\n"
                     "open(sys.argv[1], 'wb').write(cloudpickle.dumps(job))", str(path)],
-                   check=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+                   check=True, timeout=120, env=clean_env())
     job = subprocess.run([sys.executable, "-c", UNPICKLE, str(path)], capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+                         text=True, timeout=120, env=clean_env())
     assert job.stdout.split() == ["depthmix.cli.train", "True", "True"], job.stderr[-2000:]
 
 

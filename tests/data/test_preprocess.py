@@ -36,7 +36,8 @@ def read_documents(prefix):
     return ds, [ds[i] for i in range(len(ds))]
 
 
-@pytest.mark.parametrize("ext,workers", [("jsonl", 1), ("jsonl.zst", 2)])
+@pytest.mark.parametrize("ext,workers", [
+    ("jsonl", 1), pytest.param("jsonl.zst", 2, marks=pytest.mark.multiproc)])
 def test_documents_decode_back_with_eod(tmp_path, tok_path, ext, workers):
     src = tmp_path / f"docs.{ext}"
     write_jsonl(src, TEXTS)
@@ -153,6 +154,7 @@ def test_no_documents_is_an_error(tmp_path, tok_path, capsys, content):
 DOMAINS = ["Pile-CC", "Gutenberg (PG-19)", "Wikipedia (en)"]
 
 
+@pytest.mark.multiproc  # two preprocessing workers
 def test_split_by_writes_one_prefix_per_domain(tmp_path, tok_path, capsys):
     texts = list(iter_documents(30, seed=9))
     domain_of = [DOMAINS[(i * 7) % 5 % 3] for i in range(len(texts))]

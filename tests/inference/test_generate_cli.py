@@ -1,42 +1,26 @@
-"""`depthmix-generate` as a real process on the README's tiny checkpoint (a few steps of
-`depthmix-train model=tiny`): its greedy text is `generate()`'s, and a batch of prompts of
-different lengths gives each prompt what it gives alone."""
+"""`depthmix-generate` as a real process on the README's tiny checkpoint (the session's
+`depthmix-train model=tiny`, ``tiny_training``): its greedy text is `generate()`'s, and a
+batch of prompts of different lengths gives each prompt what it gives alone."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from cli_processes import run
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["Once upon a time", "The", "A little bird sat on the old"]
 
 
-def _command(name):
-    script = os.path.join(os.path.dirname(sys.executable), name)
-    return [script] if os.path.exists(script) else [sys.executable, "-m", {
-        "depthmix-train": "depthmix.cli.train",
-        "depthmix-generate": "depthmix.cli.generate"}[name]]
-
-
 def _run(args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_SILENT="true")
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return run("depthmix-generate", args, timeout=timeout, installed=True).stdout
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    _run(_command("depthmix-train") + [
-        "model=tiny", "train.steps=6", "logger=none", "train.eval_interval=0",
-        "data.embedded_documents=600", f"hydra.run.dir={root}/run",
-        f"data.cache_dir={root}/cache"], timeout=600)
-    return str(root / "run" / "checkpoints")
+def checkpoint(tiny_training):
+    return str(tiny_training[0] / "checkpoints")
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +43,7 @@ def _alone(loaded, prompt, **kwargs):
 
 
 def test_greedy_streamed_text_is_generates(checkpoint, loaded):
-    out = _run(_command("depthmix-generate") + [checkpoint, "-p", PROMPTS[0], "-n", "12",
-                                                 "--impl", "torch"])
+    out = _run([checkpoint, "-p", PROMPTS[0], "-n", "12", "--impl", "torch"])
     assert out == PROMPTS[0] + loaded[1].decode(_alone(loaded, PROMPTS[0])) + "\n"
 
 
@@ -68,7 +51,7 @@ def test_batched_prompts_equal_each_alone(checkpoint, loaded, tmp_path):
     """Sampled, so that the rows differ; every row's generator starts from --seed."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    out = _run(_command("depthmix-generate") + [
+    out = _run([
         checkpoint, "-f", str(prompts), "-n", "12", "--temperature", "1.0", "--top-k", "40",
         "--seed", "7", "--batch-size", "3", "--format", "jsonl", "--impl", "torch"])
     rows = [json.loads(line) for line in out.splitlines()]

@@ -7,8 +7,15 @@ from depthmix.mixers import available, get_mixer
 from depthmix.testing import variant_cases
 
 
-def test_torch_is_always_available():
-    assert resolve_impl("torch")[0] == "torch"
+@pytest.mark.parametrize("triton_usable", [False, True])
+def test_torch_stays_torch_where_auto_would_pick_triton(monkeypatch, triton_usable):
+    """``mixer.impl=torch`` is kept whatever Triton and CUDA can do; ``auto`` is not."""
+    from depthmix.kernels import dispatch
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(dispatch, "triton_status", lambda: (triton_usable, "probe"))
+    assert resolve_impl("torch") == ("torch", "requested")
+    assert resolve_impl("auto")[0] == ("triton" if triton_usable else "torch")
 
 
 def test_auto_without_cuda_is_torch(monkeypatch):

@@ -23,9 +23,12 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("triton", reason="the triton package is not installed (non-x86_64 Linux)")
+
 from depthmix.kernels.gpu_report import ARCHS, Usage, check_limits
 
-pytestmark = pytest.mark.slow
+# the report compiles in two processes at once
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 _SCRIPT = """
 import dataclasses, json, os
@@ -54,8 +57,6 @@ def report():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                           text=True, timeout=900)
-    if proc.returncode and "ImportError" in proc.stderr:
-        pytest.skip(f"Triton's compiler internals moved: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
     out = json.loads(line[len("REPORT "):])

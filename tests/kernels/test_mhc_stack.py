@@ -2,7 +2,7 @@
 trains like the PyTorch path (``impl=torch``) inside the full stack: 3 steps at TP=1,
 TP=2 with sequence parallelism, PP=2, and with full activation recomputation; losses within
 1e-4 relative and the step-1 gradients within 1e-5 of the gradient norm (fp32, gloo, one
-process group per layout; spawned ranks inherit TRITON_INTERPRET=1 from conftest)."""
+process group per world size; spawned ranks inherit TRITON_INTERPRET=1 from conftest)."""
 
 import math
 
@@ -31,19 +31,33 @@ def make_run(impl, **parallel):
     return run
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_triton_trains_like_torch(layout):
-    world, parallel = LAYOUTS[layout]
+def _runs(layout) -> list:
+    """torch, triton (and at TP1 triton with full recomputation)."""
+    parallel = LAYOUTS[layout][1]
     runs = [make_run("torch", **parallel), make_run("triton", **parallel)]
-    if layout == "tp1":
-        runs.append(make_run("triton", recompute="full"))
-    results = run_layouts(runs, world_size=world, steps=3)
-    ref, ours = results[0], results[1]
+    return runs + [make_run("triton", recompute="full")] if layout == "tp1" else runs
+
+
+@pytest.fixture(scope="module")
+def results():
+    """{layout: [results of its runs]}, one process group per world size."""
+    out = {}
+    for world in sorted({w for w, _ in LAYOUTS.values()}):
+        names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        res = iter(run_layouts([r for n in names for r in _runs(n)], world_size=world, steps=3))
+        out.update({n: [next(res) for _ in _runs(n)] for n in names})
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_triton_trains_like_torch(layout, results):
+    ref, ours = results[layout][0], results[layout][1]
     assert all(math.isfinite(x) for x in ref["losses"])
     assert ref["losses"][0] != ref["losses"][2]  # it trains
     assert_same_training(ours, ref, f"triton@{layout}", loss_rtol=1e-4, grad_rtol=1e-5)
     if layout == "tp1":
-        assert_same_training(results[2], ref, "triton+recompute@tp1", loss_rtol=1e-4,
+        recomputed = results[layout][2]
+        assert_same_training(recomputed, ref, "triton+recompute@tp1", loss_rtol=1e-4,
                              grad_rtol=1e-5)
-        for name, g in results[1]["grads"].items():  # recompute: identical gradients
-            assert torch.equal(results[2]["grads"][name], g), name
+        for name, g in ours["grads"].items():  # recompute: identical gradients
+            assert torch.equal(recomputed["grads"][name], g), name

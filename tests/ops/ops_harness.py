@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import os
 import random
 import subprocess
-import sys
 
 import numpy as np
 import torch
 
+from cli_processes import PYTHON, REPO, clean_env, run  # noqa: F401 (PYTHON, REPO: for users)
 from depthmix.pretrain.callbacks import Callback
 from depthmix import testing
 from depthmix.testing import SyntheticData, tiny_run
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PYTHON = sys.executable
+env_for_subprocess = clean_env
 
 
 def spawn(target, world_size: int, args=(), timeout: float = 240.0) -> list:
@@ -116,21 +114,9 @@ def train(run, callbacks=(), data=SyntheticData) -> tuple:
     return recorder.steps, facts
 
 
-def env_for_subprocess(**extra) -> dict:
-    env = dict(os.environ)
-    env.update(PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               WANDB_SILENT="true", PYTHONUNBUFFERED="1")
-    for key in ("DEPTHMIX_RUN_KEY", "TORCHELASTIC_RUN_ID"):  # each child names its own run
-        env.pop(key, None)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
 def run_cli(args, cwd, timeout=240, env=None) -> subprocess.CompletedProcess:
-    """``python -m depthmix.cli.train <args>`` in ``cwd``; output captured."""
-    return subprocess.run([PYTHON, "-m", "depthmix.cli.train", *args], cwd=cwd,
-                          env=env or env_for_subprocess(), capture_output=True, text=True,
-                          timeout=timeout)
+    """``python -m depthmix.cli.train <args>`` in ``cwd``; output captured, not checked."""
+    return run("depthmix-train", args, cwd=cwd, env=env, timeout=timeout, check=False)
 
 
 def digest(obj) -> str:

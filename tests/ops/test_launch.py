@@ -42,6 +42,7 @@ def test_shellcheck():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.multiproc  # a launcher of 3 ranks (refused before it starts them)
 def test_sbatch_refuses_a_world_size_that_does_not_fit(tmp_path):
     tmp, cache = str(tmp_path), str(tmp_path / "cache")
     env = slurm_env(tmp, cache, nproc=3)  # tp=2 cannot tile 3 ranks

@@ -18,6 +18,8 @@ from depthmix.testing import spawn, tiny_run
 
 from memory_probe import probe_runs
 
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
 MIXERS = available()  # each at its defaults
 LAYOUTS = {
     "dp2_distopt": {"distributed_optimizer": True},

@@ -1,12 +1,13 @@
 """Every mixer at every parallel layout reproduces the single-rank run (CPU, gloo, fp32).
 
-Each layout trains all registered mixers for 3 steps in one group of real processes
-(real Megatron parallel state, real P2P) from the same seed, which gives the same initial
-weights at every layout. Compared with one rank: the 3 losses (relative 1e-5) and the
-gradients after step 1, relative to the gradient norm: the whole gradient and every
-parameter's error within 1e-5 of the global norm. (Not each tensor relative to its own
-norm: a tensor whose gradient is a near-cancelling sum, e.g. DDL's layer-0 read vector
-with norm 1e-5, already differs by 1e-4 between fp32 and fp64 on one rank.)
+Each layout trains all registered mixers for 3 steps in real processes (real Megatron
+parallel state, real P2P; one group of processes per world size) from the same seed,
+which gives the same initial weights at every layout. Compared with one rank: the 3 losses
+(relative 1e-5) and the gradients after step 1, relative to the gradient norm: the whole
+gradient and every parameter's error within 1e-5 of the global norm. (Not each tensor
+relative to its own norm: a tensor whose gradient is a near-cancelling sum, e.g. DDL's
+layer-0 read vector with norm 1e-5, already differs by 1e-4 between fp32 and fp64 on one
+rank.)
 """
 
 
@@ -42,20 +43,29 @@ def make_run(case: str, **parallel):
     return run
 
 
-@pytest.fixture(scope="session")
-def reference():
-    return dict(zip(MIXERS, run_layouts([make_run(m) for m in MIXERS], world_size=1)))
+def _layouts_run_here(session) -> list:
+    """The layouts this session's tests of this file use (all, or those ``-k`` selects)."""
+    return [item.callspec.params["layout"] if hasattr(item, "callspec") else "pp2"
+            for item in session.items if item.module.__name__ == __name__]
 
 
 @pytest.fixture(scope="session")
-def layout_results():
+def layout_results(request):
+    """layout -> mixer -> result, with ``"single"`` the one-rank reference. The layouts of
+    one world size train in one group of processes, Megatron's parallel state rebuilt
+    between runs: three launches in all (1, 2 and 4 ranks)."""
     cache = {}
+    layouts = {"single": (1, {}), **LAYOUTS}
 
     def get(layout):
         if layout not in cache:
-            world, parallel = LAYOUTS[layout]
-            runs = [make_run(m, **parallel) for m in MIXERS]
-            cache[layout] = dict(zip(MIXERS, run_layouts(runs, world_size=world)))
+            world = layouts[layout][0]
+            wanted = dict.fromkeys(["single", layout, *_layouts_run_here(request.session)])
+            group = [n for n in wanted if layouts[n][0] == world and n not in cache]
+            runs = [make_run(m, **layouts[name][1]) for name in group for m in MIXERS]
+            results = iter(run_layouts(runs, world_size=world, timeout=1200))
+            for name in group:
+                cache[name] = {m: next(results) for m in MIXERS}
         return cache[layout]
 
     return get
@@ -71,9 +81,10 @@ def assert_matches(result, ref, label):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("mixer", MIXERS)
-def test_layout_matches_single_rank(mixer, layout, reference, layout_results):
+def test_layout_matches_single_rank(mixer, layout, layout_results):
     """Losses and gradients of ``mixer`` at ``layout`` equal the single-rank run."""
-    assert_matches(layout_results(layout)[mixer], reference[mixer], f"{mixer}@{layout}")
+    assert_matches(layout_results(layout)[mixer], layout_results("single")[mixer],
+                   f"{mixer}@{layout}")
 
 
 @pytest.mark.parametrize("layout", ["pp2", "pp2_vp2", "tp2_pp2"])

@@ -141,13 +141,41 @@ def test_parity_every_mixer_tp1_and_recompute():
         assert_same_training(results[2 * i + 1], results[2 * i], label, 1e-5, 1e-5)
 
 
+def _interleaved(mixer, compile_):
+    run = _run(mixer, compile_, pp=2, vp=2)  # four layers, one per chunk
+    run.model.num_layers = 4
+    run.mixer.resolve(run.model)
+    return run
+
+
+# two-rank layouts: label -> (mixers, run(mixer, compile)); one process group runs them all
+TWO_RANKS = {
+    "tp2-sp": (LAYOUT_MIXERS, lambda m, c: _run(m, c, tp=2, sequence_parallel=True)),
+    "pp2": (LAYOUT_MIXERS, lambda m, c: _run(m, c, pp=2)),
+    "pp2-vp2": (["attnres_full"], _interleaved),
+    "dp2-distopt": (["attnres_full"], lambda m, c: _run(m, c, distributed_optimizer=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """label -> [eager, compiled results per mixer], all from one group of two ranks."""
+    runs = [make(m, c) for mixers, make in TWO_RANKS.values() for m in mixers
+            for c in ("false", "true")]
+    results = iter(run_layouts(runs, world_size=2, timeout=1500))
+    return {label: [next(results) for _ in range(2 * len(mixers))]
+            for label, (mixers, _) in TWO_RANKS.items()}
+
+
+GROUP_TIMEOUT = pytest.mark.timeout(1500)  # the first test's setup trains the whole group
+
+
+@GROUP_TIMEOUT
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [dict(tp=2, sequence_parallel=True), dict(pp=2)],
-                         ids=["tp2-sp", "pp2"])
-def test_parity_parallel_layouts(layout):
-    runs = [_run(m, c, **layout) for m in LAYOUT_MIXERS for c in ("false", "true")]
-    _assert_parity(run_layouts(runs, world_size=2, timeout=1500), LAYOUT_MIXERS, str(layout))
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
+def test_parity_parallel_layouts(layout, two_ranks):
+    _assert_parity(two_ranks[layout], LAYOUT_MIXERS, layout)
 
 
 def test_refusals_name_the_option(monkeypatch):
@@ -185,16 +213,11 @@ def test_command_line_values(tmp_path):
         validate(run)
 
 
+@GROUP_TIMEOUT
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_parity_interleaved_pipeline_and_distributed_optimizer():
+def test_parity_interleaved_pipeline_and_distributed_optimizer(two_ranks):
     """The two layouts left: PP2 x VP2 (1F1B interleaved; four layers, one per chunk) and
     DP2 with the distributed optimizer, for a mixer whose depth state grows with depth."""
-    mixer = "attnres_full"
-    interleaved = [_run(mixer, c, pp=2, vp=2) for c in ("false", "true")]
-    for run in interleaved:
-        run.model.num_layers = 4
-        run.mixer.resolve(run.model)
-    distopt = [_run(mixer, c, distributed_optimizer=True) for c in ("false", "true")]
-    results = run_layouts(interleaved + distopt, world_size=2, timeout=1500)
-    _assert_parity(results, [f"{mixer} pp2-vp2", f"{mixer} dp2-distopt"], "")
+    for layout in ("pp2-vp2", "dp2-distopt"):
+        _assert_parity(two_ranks[layout], ["attnres_full"], layout)

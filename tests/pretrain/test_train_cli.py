@@ -1,38 +1,18 @@
 """`depthmix-train` end to end: the embedded default learns, one rank prints."""
 
 import re
-import subprocess
-import sys
 
 import pytest
+
+from cli_processes import clean_env, run
 
 pytestmark = pytest.mark.slow
 
 LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss ([0-9.]+)", re.M)
 
 
-def clean_env(**extra) -> dict:
-    """This process's environment without a launcher's run key (pytest may itself run under
-    torchrun or a launch script), so that each child names its own output directory."""
-    import os
-
-    env = dict(os.environ, **extra)
-    for key in ("TORCHELASTIC_RUN_ID", "DEPTHMIX_RUN_KEY"):
-        env.pop(key, None)
-    return env
-
-
-def train(tmp_path, *overrides, timeout=600):
-    cmd = [sys.executable, "-m", "depthmix.cli.train", "logger=none",
-           f"hydra.run.dir={tmp_path}/run", f"data.cache_dir={tmp_path}/cache", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
-def test_tiny_model_learns_on_the_embedded_corpus(tmp_path):
-    out = train(tmp_path, "model=tiny", "train.steps=60", "train.log_interval=20",
-                "train.eval_interval=60", "train.eval_iters=2")
+def test_tiny_model_learns_on_the_embedded_corpus(tiny_training):
+    _, out = tiny_training
     losses = {int(step): float(loss) for step, loss in LINE.findall(out)}
     assert sorted(losses) == [1, 20, 40, 60], out
     assert losses[1] > 6.0, "the first step should be near ln(vocab)"
@@ -40,20 +20,17 @@ def test_tiny_model_learns_on_the_embedded_corpus(tmp_path):
     assert re.search(r"^eval step\s+60 \| loss [0-9.]+ \| ppl", out, re.M), out
 
 
-def test_every_mixer_learns_in_one_multirun(tmp_path):
-    """`depthmix-train -m mixer=a,b,...`: each mixer trains the tiny model (6 layers, so
-    Block AttnRes' default 12-sublayer block fits) with its loss falling, each job in its
-    own output directory."""
-    from depthmix.mixers import available
-
-    mixers = available()
-    cmd = [sys.executable, "-m", "depthmix.cli.train", "-m", "logger=none",
-           f"hydra.sweep.dir={tmp_path}/sweep", f"data.cache_dir={tmp_path}/cache",
-           "model=tiny", "model.num_layers=6", f"mixer={','.join(mixers)}", "train.steps=30",
-           "train.log_interval=30",
-           "train.eval_interval=0", "train.micro_batch_size=16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=clean_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_mixers_learn_in_one_multirun(tmp_path):
+    """`depthmix-train -m mixer=a,b`: each mixer trains the tiny model (6 layers, so Block
+    AttnRes' default 12-sublayer block fits) with its loss falling, each job in its own
+    output directory. Two mixers: every mixer's training through its Hydra config is
+    tests/golden (10 steps, TP1 and PP2, bit for bit), multirun's jobs tests/ops/test_multirun."""
+    mixers = ["vanilla", "attnres_block"]
+    proc = run("depthmix-train", [
+        "-m", "logger=none", f"hydra.sweep.dir={tmp_path}/sweep",
+        f"data.cache_dir={tmp_path}/cache", "model=tiny", "model.num_layers=6",
+        f"mixer={','.join(mixers)}", "train.steps=30", "train.log_interval=30",
+        "train.eval_interval=0", "train.micro_batch_size=16"], timeout=1200)
     jobs = re.split(r"^\[[^\]]*\]\[HYDRA\]\s+#\d+ : ", proc.stdout, flags=re.M)[1:]
     assert len(jobs) == len(mixers), proc.stdout[-3000:]
     for mixer, job in zip(mixers, jobs):
@@ -74,16 +51,8 @@ NOISE = re.compile(r"warn|Params for bucket|Config\(|^\s|wandb:|TFLOP/s|Tracebac
 def depthmix_train(args, cwd, cache, timeout=300):
     """The installed ``depthmix-train`` script in ``cwd``, as a user runs it: no
     WANDB_SILENT, no DEPTHMIX_RUN_KEY, W&B offline (the default logger)."""
-    import os
-
-    env = clean_env(DEPTHMIX_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    env.pop("WANDB_SILENT", None)
-    exe = os.path.join(os.path.dirname(sys.executable), "depthmix-train")
-    proc = subprocess.run([exe, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return run("depthmix-train", args, cwd=cwd, timeout=timeout, installed=True,
+               env=clean_env(DEPTHMIX_CACHE_DIR=cache, WANDB_SILENT=None))
 
 
 @pytest.fixture(scope="module")
