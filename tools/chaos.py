@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from depthmix.checkpoint import store
+
 FAULTS = ("kill_all", "kill_rank", "sigterm", "sigint", "kill_in_save")
 QUICK = ["model=tiny", "logger=none", "train.log_interval=1", "train.micro_batch_size=4",
          "train.global_batch_size=8", "data.embedded_documents=600"]
@@ -197,8 +199,7 @@ def run_job(args, overrides, workdir, fault=None, rng=None) -> dict:
             if fault and hit_at is None:
                 done = _steps_logged(losses)
                 if fault == "kill_in_save":
-                    ready = done > before and os.path.isdir(save_dir) and any(
-                        n.startswith(".tmp_iter_") for n in os.listdir(save_dir))
+                    ready = done > before and store.writes_in_progress(save_dir)
                 else:
                     ready = done >= after
                 if ready:
@@ -246,11 +247,7 @@ def _read(path: str) -> dict:
 
 
 def _finished(save_dir: str, steps: int) -> bool:
-    try:
-        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt")) as f:
-            return int(f.read().strip()) >= steps
-    except (OSError, ValueError):
-        return False
+    return any(step >= steps for step, _ in store.list_checkpoints(save_dir))
 
 
 def _state(save_dir: str, steps: int) -> dict:
@@ -259,8 +256,8 @@ def _state(save_dir: str, steps: int) -> dict:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    path = os.path.join(save_dir, f"iter_{steps:07d}")
-    if not os.path.isdir(path):
+    path = dict(store.list_checkpoints(save_dir)).get(steps)
+    if path is None:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, os.path.join(tmp, "state.pt"))

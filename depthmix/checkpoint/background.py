@@ -29,7 +29,7 @@ import signal
 import time
 from typing import Optional
 
-from depthmix.checkpoint import distributed, guard
+from depthmix.checkpoint import distributed, guard, store
 
 log = logging.getLogger("depthmix")
 
@@ -77,6 +77,10 @@ class BackgroundSaves:
         log.info("checkpoint of step %d: writing in the background (training blocked %.2f s)",
                  written.step, blocked)
         return blocked
+
+    def pending_path(self) -> Optional[str]:
+        """Where the pending checkpoint appears once published."""
+        return store.step_dir(self.pending.root, self.pending.step) if self.pending else None
 
     def poll(self) -> Optional[str]:
         """Collective, non-blocking: publish the pending checkpoint if every rank's write has

@@ -111,6 +111,11 @@ def list_checkpoints(root: str) -> list:
     return sorted(out)
 
 
+def writes_in_progress(root: str) -> bool:
+    """Whether ``root`` holds a checkpoint being written (a temporary directory)."""
+    return os.path.isdir(root) and any(n.startswith(TMP_PREFIX) for n in os.listdir(root))
+
+
 def latest_checkpoint(root: Optional[str]) -> Optional[str]:
     """The complete checkpoint ``root``'s tracker names, or None.
 

@@ -226,13 +226,13 @@ class TrainConfig:
     parallel; reloads at the same TP/PP/VP, any DP) or ``fully_reshardable`` (gathered on
     DP rank 0 when saving; reloads into any layout)."""
     ckpt_fully_parallel: bool = True
+    """Spread saving/loading of replicated tensors over the data-parallel ranks."""
     async_save: bool = True
     """Write checkpoints in the background: training goes on while a forked writer saves the
     state; the checkpoint is published (tracker, checksums, retention) once every rank's
     write finished. At most one write in flight; stopping (signals, the end) waits for it.
     Falls back to synchronous saves where writers cannot be tied to the trainer's lifetime
     (not Linux, or outside a depthmix entry point)."""
-    """Spread saving/loading of replicated tensors over the data-parallel ranks."""
     save_on_preemption: bool = True
     """On SIGTERM/SIGUSR1/SIGINT (and submitit's signal): finish the step (or eval batch),
     save, exit 0; a second SIGINT aborts without saving (exit 130)."""

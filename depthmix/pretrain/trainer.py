@@ -158,7 +158,7 @@ class Trainer:
         root = root or self.state.save_dir
         if background is not None:
             background.start(root, **save)
-            return store.step_dir(root, self.step)
+            return background.pending_path()
         path = distributed.save(root, **save)
         self.state.unconfirmed = path if health["healthy"] else None
         return path

@@ -218,7 +218,8 @@ def _start_child(tmp_path):
     os.makedirs(run_dir)
     child = Proc([PYTHON, os.path.join(HERE, "save_child.py"), run_dir, "60"], cwd=HERE,
                  env=env_for_subprocess(PYTHONPATH=os.pathsep.join(
-                     [os.path.dirname(os.path.dirname(HERE)), HERE])), timeout=180)
+                     [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE), HERE])),
+                 timeout=180)
     child.wait_for(lambda p: len([n for n in os.listdir(run_dir)
                                   if n.startswith("writer_")]) >= 2, "the writers")
     import psutil

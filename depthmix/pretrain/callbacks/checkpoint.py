@@ -78,7 +78,9 @@ class CheckpointCallback(Callback):
             self._published(trainer, path)
         interval = trainer.run.train.save_interval
         if interval and trainer.step % interval == 0:
-            self.save(trainer)
+            # a step the run stops or rolls back after: its checkpoint is written now (the
+            # stop raises before any later step could publish a background write)
+            self.save(trainer, final=trainer.verdict.action in (Action.ROLLBACK, Action.STOP))
 
     def _published(self, trainer, path: Optional[str]) -> None:
         """A background write was published: settle its health mark now if the step after
