@@ -77,17 +77,18 @@ class Trainer:
 
     def _agree_on_output_dir(self) -> None:
         """Every rank uses rank 0's output directory (launchers may start ranks at different
-        times, and a timestamped directory would then differ)."""
+        times, and a timestamped directory would then differ), and it exists on every rank
+        (Hydra makes only its own job directory; ``output_dir=`` may name another)."""
         import torch.distributed as dist
 
-        if self.topo.world_size == 1:
-            return
-        box = [self.run.output_dir]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] != self.run.output_dir:
-            log.warning("output_dir %s differs from rank 0's; using %s",
-                        self.run.output_dir, box[0])
-            self.run.output_dir = box[0]
+        if self.topo.world_size > 1:
+            box = [self.run.output_dir]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] != self.run.output_dir:
+                log.warning("output_dir %s differs from rank 0's; using %s",
+                            self.run.output_dir, box[0])
+                self.run.output_dir = box[0]
+        os.makedirs(self.run.output_dir, exist_ok=True)
 
     def request_stop(self, reason: str) -> None:
         """End training after the current step (collective decisions only: every rank must

@@ -90,7 +90,6 @@ def also_to_file(path: str) -> None:
     if not _console_configured() or any(isinstance(h, logging.FileHandler)
                                         for h in root.handlers):
         return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # rank 0 may not have made it yet
     handler = logging.FileHandler(path)  # appends beside rank 0's lines
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - "
                                            "%(message)s"))

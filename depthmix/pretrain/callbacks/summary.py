@@ -185,7 +185,6 @@ class RunSummary(Callback):
             return
         for line in self.lines(trainer):
             say(line)
-        os.makedirs(trainer.run.output_dir, exist_ok=True)
         path = os.path.join(trainer.run.output_dir, RESULT_FILE)
         with open(path, "w") as f:
             json.dump(self.result(trainer), f, indent=1)
