@@ -84,10 +84,15 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         hint = ""
         if message.startswith("unrecognized arguments:"):
-            names = [s for a in self._actions for s in a.option_strings]
+            from depthmix.config.validate import nearest
+
+            # compared without their dashes, which every option shares ('--checkpoint' is
+            # otherwise "close" to '--help')
+            names = {s.lstrip("-"): s for a in self._actions for s in a.option_strings}
             for arg in message.split(":", 1)[1].split():
                 if arg.startswith("-") and not hint:
-                    hint = closest_name(arg.split("=", 1)[0], names)
+                    match = nearest(arg.split("=", 1)[0].lstrip("-"), names)
+                    hint = f"; did you mean {names[match]!r}?" if match else ""
         self.exit(exit_codes.CONFIG_ERROR,
                   f"{self.prog}: error: {message}{hint} ({self.prog} --help lists the "
                   "options)\n")

@@ -50,10 +50,16 @@ SYNTAX = frozenset({"data.split"})
 """String options with a syntax of their own, checked by their group's function."""
 
 
+def nearest(value: Any, allowed: Iterable[str]) -> Optional[str]:
+    """The allowed value nearest ``value``, or None when none is near."""
+    match = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.5)
+    return match[0] if match else None
+
+
 def closest(value: Any, allowed: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` for the allowed value nearest ``value``, else ``""``."""
-    match = difflib.get_close_matches(str(value), list(allowed), n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else ""
+    match = nearest(value, allowed)
+    return f"; did you mean {match!r}?" if match else ""
 
 
 def check_choice(option: str, value: Any, allowed: Sequence[str]) -> None:
