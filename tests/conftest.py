@@ -36,20 +36,23 @@ def pytest_configure(config):
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Every ``multiproc`` test in one xdist group (named before xdist reads the groups), so
-    at most one multi-rank test runs at a time while the other workers take single-process
-    tests. xdist hands out the largest group first: the long serial lane starts at once."""
-    multiproc = [item for item in items if item.get_closest_marker("multiproc")]
-    for item in multiproc:
-        item.add_marker(pytest.mark.xdist_group(MULTIPROC_GROUP))
+    """Every test with several processes at once in one xdist group (named before xdist
+    reads the groups), so at most one multi-rank test runs at a time while the other workers
+    take the rest (``multiproc(at_once=1)``: one child beside the test, which waits). xdist hands out the largest group first: the long serial lane starts at once.
+    Other groups (``tests/layouts.py``: a module's one-rank layouts) are named the same way."""
+    for item in items:
+        if _allowed(item) > 1:
+            item.add_marker(pytest.mark.xdist_group(MULTIPROC_GROUP))
     result = yield
     if getattr(config.option, "loadgroup", False):
         # xdist 3.8 names the group in ``item._nodeid``, which pytest 9 no longer reads
         from _pytest.nodeid import NodeId
 
-        for item in multiproc:
-            if not item.nodeid.endswith("@" + MULTIPROC_GROUP):
-                item._id = NodeId.parse(f"{item.nodeid}@{MULTIPROC_GROUP}")
+        for item in items:
+            group = item.get_closest_marker("xdist_group")
+            name = group and (group.args[0] if group.args else group.kwargs.get("name", "default"))
+            if name and not item.nodeid.endswith(f"@{name}"):
+                item._id = NodeId.parse(f"{item.nodeid}@{name}")
     return result
 
 
@@ -59,17 +62,28 @@ def pytest_runtest_setup(item):
     item.launches.install()
 
 
+def _allowed(item) -> int:
+    """How many processes of its own the test may have running at once: 0 unmarked,
+    ``multiproc(at_once=N)``'s N, else any number."""
+    mark = item.get_closest_marker("multiproc")
+    return 0 if mark is None else mark.kwargs.get("at_once", 1 << 30)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """A test that had more than one process of its own running at once (its setup
-    included: session fixtures that spawn ranks) fails unless it is marked ``multiproc``."""
+    """A test that starts a process (its setup included: session fixtures that train or
+    spawn ranks) fails unless it is marked ``multiproc``, and one marked ``at_once=1`` fails
+    when it had more than one running at once: the fast loop ``-m "not multiproc"`` is
+    in-process tests only, and the serial lane holds every multi-rank test."""
     try:
         result = yield
     finally:
         item.launches.uninstall()
-    if item.launches.peak > 1 and not item.get_closest_marker("multiproc"):
-        pytest.fail(f"started {item.launches.peak} processes at once: mark it "
-                    "@pytest.mark.multiproc", pytrace=False)
+    peak, allowed = item.launches.peak, _allowed(item)
+    if peak > allowed:
+        hint = "@pytest.mark.multiproc(at_once=1)" if peak == 1 else "@pytest.mark.multiproc"
+        pytest.fail(f"started {peak} process{'es' * (peak > 1)} at once: mark it {hint}",
+                    pytrace=False)
     return result
 
 

@@ -3,9 +3,11 @@ to the ``multiproc`` marker (that marker keeps them off the second xdist worker'
 
 Watched: ``subprocess.Popen`` (a launcher counts as the ranks it starts: torchrun's
 ``--nproc-per-node``, ``NPROC_PER_NODE`` / ``DEPTHMIX_NPROC_PER_NODE`` in its environment)
-and ``multiprocessing`` process starts (spawned ranks, managers, pools). Not counted:
-processes ``fork``-ed from the test's own process, helpers that share its memory for a
-moment (Megatron's checkpoint writers, two per save)."""
+and ``multiprocessing`` process starts (spawned ranks, pools). Not counted: processes
+``fork``-ed from the test's own process, helpers that share its memory for a moment
+(Megatron's checkpoint writers, two per save), and a ``multiprocessing`` Manager's server
+(Megatron's first save in a process starts one that lives as long as the process: it is
+the worker's, not the test's)."""
 
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ class Launches:
             process_start(process)
             method = getattr(process, "_start_method", None) or \
                 multiprocessing.get_start_method(allow_none=True) or "fork"
-            if method != "fork":
+            target = getattr(getattr(process, "_target", None), "__name__", "")
+            if method != "fork" and target != "_run_server":
                 launches._started(process.is_alive, 1)
 
         subprocess.Popen.__init__ = init

@@ -13,6 +13,8 @@ import textwrap
 from functools import lru_cache
 from typing import Dict, List, Optional, Set
 
+import pytest
+
 import depthmix
 
 ROOT = pathlib.Path(depthmix.__file__).parent
@@ -255,18 +257,21 @@ def _explain(loaded: dict) -> str:
                      for lib, chain in loaded.items())
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_importing_planning_loads_neither_torch_nor_megatron():
     found = _loaded("depthmix.planning", ["torch", "megatron"])
     assert "depthmix.planning.memory" in found["modules"]
     assert not found["loaded"], _explain(found["loaded"])
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_importing_config_loads_no_megatron():
     found = _loaded("depthmix.config", ["megatron"])
     assert "depthmix.config.load" in found["modules"]
     assert not found["loaded"], _explain(found["loaded"])
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_the_probe_names_the_import_that_loads_a_library():
     found = _loaded("depthmix.runtime", ["psutil"])
     chain = found["loaded"]["psutil"]

@@ -68,6 +68,7 @@ TYPOS = {
 }
 
 
+@pytest.mark.multiproc(at_once=1)
 @pytest.mark.parametrize("name", sorted(TYPOS))
 def test_a_typo_exits_2_naming_the_closest_option_at_once(name, tmp_path):
     argv, closest = TYPOS[name]
@@ -110,6 +111,8 @@ def _missing(checkpoint):
     }
 
 
+@pytest.mark.multiproc(at_once=1)
+@pytest.mark.xdist_group("test_contract:checkpoint")  # one worker trains it
 @pytest.mark.parametrize("case", ["eval-checkpoint", "eval-dataset", "eval-output",
                                   "generate", "generate-prompts", "export", "preprocess",
                                   "import"])
@@ -131,6 +134,8 @@ def _quiet_run(args, cwd):
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc(at_once=1)
+@pytest.mark.xdist_group("test_contract:checkpoint")
 def test_normal_runs_print_no_library_lines_and_eval_writes_beside_its_results(checkpoint,
                                                                                tmp_path):
     ckpt, data = checkpoint

@@ -175,6 +175,7 @@ def probe(proc) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_help_dry_run_and_preprocess_do_not_import_megatron(tmp_path):
     helped = depthmix_train(tmp_path, "--help", probe=True)
     assert probe(helped) == {"code": 0, "megatron": False, "torch": False}, helped.stderr
@@ -199,6 +200,7 @@ def test_help_dry_run_and_preprocess_do_not_import_megatron(tmp_path):
     ("mixer=depth_atn", "did you mean 'depth_attn'"),
     ("train.lrr=1", "did you mean 'train.lr'"),
 ])
+@pytest.mark.multiproc(at_once=1)
 def test_hydra_level_errors_exit_2(tmp_path, override, names):
     proc = depthmix_train(tmp_path, override)  # a training run, not a dry run
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -206,6 +208,7 @@ def test_hydra_level_errors_exit_2(tmp_path, override, names):
     assert line.startswith("configuration error: ") and names in line
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_multirun_dry_run_checks_every_point(tmp_path):
     proc = depthmix_train(tmp_path, "-m", "mixer=attnres_block", "mixer.block_size=4,8,12",
                           "train.dry_run=true")
@@ -226,6 +229,7 @@ print(task.__module__, OmegaConf.has_resolver("dm.run_key"), OmegaConf.has_resol
 """
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_a_submitit_job_registers_the_resolvers_as_it_unpickles_the_task(tmp_path):
     """Hydra's SLURM launcher (submitit) cloudpickles the task into each job, which resolves
     its output directory (``${dm.run_key:}``) before the task runs: nothing registers the
@@ -240,6 +244,7 @@ def test_a_submitit_job_registers_the_resolvers_as_it_unpickles_the_task(tmp_pat
     assert job.stdout.split() == ["depthmix.cli.train", "True", "True"], job.stderr[-2000:]
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_help_shows_the_composed_values(tmp_path):
     proc = depthmix_train(tmp_path, "model=tiny", "--help")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -257,6 +262,7 @@ def test_logger_options_interpolate_the_run_config():
     assert (run.logger.name, run.logger.group) == ("da-s2", f"g{run.train.steps}")
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_a_refused_run_leaves_no_output_directory(tmp_path):
     proc = depthmix_train(tmp_path, "logger.name=x${mixer.nope}")
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -278,6 +284,7 @@ def test_torch_threads_share_the_cpus_among_local_ranks(monkeypatch, env, cpus, 
     assert launch_env.torch_threads(env) == threads
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_a_local_sweep_runs_every_point_and_reports_the_failures(tmp_path):
     """Both points are refused at start-up (exit 2): the second still runs, the summary
     lists both with their status, and the sweep exits with it."""

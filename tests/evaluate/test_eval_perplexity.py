@@ -209,6 +209,7 @@ def test_bad_datasets_and_layouts_are_refused(trained):
     assert job.run.mixer.stride == 2 and job.run.model.hidden_size == 64
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_missing_checkpoint_exits_2(tmp_path):
     proc = subprocess.run(
         [PYTHON, "-m", "depthmix.cli.eval", f"eval.checkpoint={tmp_path}/nothing",

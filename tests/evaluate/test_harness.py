@@ -188,6 +188,7 @@ def test_generate_until_matches_greedy_generation(megatron_single, tokenizer):
         assert out == tokenizer.decode(alone).split("\n")[0], (context, out)
 
 
+@pytest.mark.multiproc(at_once=1)
 @pytest.mark.parametrize("mixer", list(MIXERS))
 def test_five_shot_local_tasks_through_lm_evals_evaluator(megatron_single, tokenizer,
                                                            task_dir, mixer):
@@ -213,6 +214,7 @@ def test_five_shot_local_tasks_through_lm_evals_evaluator(megatron_single, token
         assert sample["acc"] == float(best == sample["target"])
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_eval_tasks_run_in_the_precision_asked_for(megatron_single, tokenizer, task_dir,
                                                    tmp_path):
     """``depthmix-eval train.precision=bf16 eval.tasks=[...]`` on an fp32 checkpoint: the

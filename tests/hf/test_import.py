@@ -193,6 +193,7 @@ def test_a_bias_tensor_is_refused_naming_it(hf_dirs, tmp_path, capsys):
     (["--precision", "fp8"], "--precision"),
     ([], "hf_dir=/no/such/model"),
 ], ids=["typo", "bad-choice", "missing-path"])
+@pytest.mark.multiproc(at_once=1)
 def test_bad_input_exits_2_at_once_naming_it(args, named, tmp_path):
     """A fresh process: one line naming the option, no library noise, in under 3 s."""
     start = time.perf_counter()

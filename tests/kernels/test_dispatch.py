@@ -139,6 +139,7 @@ assert sys.modules["triton"] is None
 """
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_impl_torch_runs_every_kernel_mixer_without_triton():
     import subprocess
     import sys

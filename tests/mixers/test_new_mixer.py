@@ -136,6 +136,7 @@ def test_registry_and_hydra_take_the_toy(toy):
         compose_run("mixer=toy", "mixer.gate_bais=1")
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_help_lists_the_toy_without_torch(toy, toy_path):
     probe = ("import sys\nfrom depthmix.cli.overrides import help_text\nprint(help_text())\n"
              "print(any(m.split('.')[0] in ('torch', 'megatron') for m in sys.modules))")

@@ -142,13 +142,16 @@ def test_kill_9_and_sigterm_while_a_background_write_is_pending(tmp_path):
     finally:
         held.kill()
     assert store.latest_checkpoint(root) == store.step_dir(root, 4)
+    stale = store.tmp_dir(root, 6)  # marked: the re-run's own write of step 6 has the name
+    open(os.path.join(stale, "killed-write"), "w").close()
 
     # re-run: resumes from step 4 (the interrupted write is removed at start); SIGTERM to
     # the ranks while step 6 is written: they wait for it, save the final step, exit 0
     last = _job(tmp, steps=500, delay=3)
     try:
         last.wait_for(lambda p: any(s >= 5 for s in p.steps()), "step 5")
-        assert not _leftovers(root)
+        assert not os.path.exists(os.path.join(stale, "killed-write"))
+        assert set(_leftovers(root)) <= {os.path.basename(stale)}  # at most its own write
         last.wait_for(lambda p: "checkpoint of step 6: writing in the background" in p.text,
                       "the background write of step 6")
         for proc in rank_processes(last.p.pid).values():

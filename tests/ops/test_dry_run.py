@@ -81,6 +81,7 @@ def test_parallel_world_size_must_match_the_launch():
         validate(run, 4)
 
 
+@pytest.mark.multiproc(at_once=1)
 @pytest.mark.slow
 def test_cli_exit_codes(tmp_path):
     env = base_env(str(tmp_path), str(tmp_path / "cache"))

@@ -290,6 +290,7 @@ def test_ranks_agree_without_an_extra_collective():
     assert per_rank[0]["dp2"]["weights"] == per_rank[1]["dp2"]["weights"]  # replicas agree
 
 
+@pytest.mark.multiproc(at_once=1)
 @pytest.mark.slow
 def test_cli_exits_3_when_training_diverges(tmp_path):
     out = tmp_path / "run"

@@ -28,11 +28,13 @@ def _shellcheck():
     return here if os.path.exists(here) else shutil.which("shellcheck")
 
 
+@pytest.mark.multiproc(at_once=1)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bash_syntax(script):
     subprocess.run(["bash", "-n", os.path.join(REPO, script)], check=True, timeout=30)
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_shellcheck():
     exe = _shellcheck()
     if exe is None:

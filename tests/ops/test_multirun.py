@@ -11,6 +11,7 @@ from ops_harness import run_cli
 from wandb_files import read_run, run_dirs
 
 
+@pytest.mark.multiproc(at_once=1)
 @pytest.mark.slow
 def test_multirun_over_two_strides(tmp_path):
     tmp, cache = str(tmp_path), str(tmp_path / "cache")

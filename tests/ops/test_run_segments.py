@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.slow]
 SHORT = [a for a in TINY if not a.startswith("train.steps=")] + ["train.steps=3"]
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_resumed_run_syncs_every_segment_and_a_finished_run_stops_at_once(tmp_path):
     tmp = str(tmp_path)
     env = base_env(tmp, os.path.join(tmp, "cache"))

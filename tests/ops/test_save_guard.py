@@ -61,6 +61,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_retention_makes_room_on_a_small_disk(megatron_single, small_disk):
     """keep_last=2 needs room for three checkpoints while saving the third: the one retention
     would remove next is removed first, so the save fits (it used to fail here every time)."""
@@ -74,6 +75,7 @@ def test_retention_makes_room_on_a_small_disk(megatron_single, small_disk):
     assert not os.path.exists(os.path.join(root, guard.LOCK))  # released on close
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_full_disk_fails_clearly_keeps_the_previous_checkpoint(megatron_single, small_disk):
     root = os.path.join(small_disk, "ckpt")
     t = _trainer(root, keep_last=1)
@@ -153,6 +155,7 @@ HOLD = ("import sys, time; from depthmix.checkpoint.guard import SaveLock; "
         "SaveLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(120)")
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_second_run_on_a_locked_save_dir_is_refused(megatron_single, tmp_path):
     root = str(tmp_path / "ckpt")
     holder = Proc([PYTHON, "-c", HOLD, root], cwd=str(tmp_path), env=env_for_subprocess(),
@@ -183,6 +186,7 @@ def _foreign_lock(root, job_id):
     return lock
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_slurm_lock_takeover(tmp_path, monkeypatch):
     """Another host's lock: taken over by a requeue of the same SLURM job, or when squeue
     says its job has finished; refused while that job runs."""

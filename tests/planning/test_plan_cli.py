@@ -14,6 +14,7 @@ from depthmix.planning import step_time
 from depthmix.runtime import exit_codes
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_help_exits_0_and_describes_every_cluster_option():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "depthmix.cli.plan", "--help"],

@@ -6,7 +6,7 @@ import pytest
 
 from cli_processes import clean_env, run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1)]
 
 LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss ([0-9.]+)", re.M)
 
@@ -63,6 +63,7 @@ def named_runs(tmp_path_factory):
     return cwd, [depthmix_train(README_RUN, cwd, cache) for _ in range(2)]
 
 
+@pytest.mark.xdist_group("test_train_cli:named_runs")  # one worker trains them
 def test_readme_command_prints_one_line_per_interval_and_a_summary(named_runs):
     cwd, (first, _) = named_runs
     lines = first.stdout.splitlines()
@@ -88,6 +89,7 @@ def test_readme_command_prints_one_line_per_interval_and_a_summary(named_runs):
         log = log[next(i for i, entry in enumerate(log) if entry.endswith(" - " + line)) + 1:]
 
 
+@pytest.mark.xdist_group("test_train_cli:named_runs")  # one worker trains them
 def test_rerunning_a_named_run_resumes_it(named_runs):
     cwd, (_, second) = named_runs
     out = second.stdout

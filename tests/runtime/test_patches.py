@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import depthmix
@@ -93,6 +94,7 @@ def third_party_imports() -> list:
     return sorted(m for m in found if m.split(".")[0] != "depthmix")
 
 
+@pytest.mark.multiproc(at_once=1)
 def test_importing_changes_nothing_and_uninstall_restores_everything():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(third_party_imports())],
