@@ -29,7 +29,8 @@ pytest.importorskip("triton", reason="the triton package is not installed (non-x
 from depthmix.kernels.gpu_report import ARCHS, Usage, check_limits
 
 # one child: the subprocess that compiles (the forked pool of jobs=2 would make it two)
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1)]
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1),
+              pytest.mark.xdist_group("test_gpu_compile")]  # one worker compiles the report
 
 _SCRIPT = """
 import dataclasses, json, os
