@@ -38,8 +38,10 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Every test with several processes at once in one xdist group (named before xdist
     reads the groups), so at most one multi-rank test runs at a time while the other workers
-    take the rest (``multiproc(at_once=1)``: one child beside the test, which waits). xdist hands out the largest group first: the long serial lane starts at once.
-    Other groups (``tests/layouts.py``: a module's one-rank layouts) are named the same way."""
+    take the rest (``multiproc(at_once=1)``: one child beside the waiting test). xdist hands
+    out the largest group first: the long serial lane starts at once. Other groups (a
+    module's one-rank layouts, ``tests/layouts.py``; tests sharing a module fixture that
+    trains) are named the same way."""
     for item in items:
         if _allowed(item) > 1:
             item.add_marker(pytest.mark.xdist_group(MULTIPROC_GROUP))
