@@ -201,14 +201,21 @@ def gather_full(model, which: str = "grad") -> dict:
 
 
 def spawn(target, world_size: int, args=(), timeout: float = 600.0, env=None) -> list:
-    """Run ``target(*args)`` in ``world_size`` spawned processes with the torch.distributed
+    """Run ``target(*args)`` in ``world_size`` new processes with the torch.distributed
     environment set (gloo on CPU); returns each rank's return value. Fails on a timeout or
-    on any rank's crash. ``target`` must be importable (a module-level function)."""
+    on any rank's crash. ``target`` must be importable (a module-level function). The ranks
+    fork from a forkserver that preloads torch and Megatron-Core (they see the environment
+    it started with, plus ``env``); ``DEPTHMIX_MP_START=spawn`` starts each from scratch."""
     import multiprocessing as mp
     import tempfile
     import time
 
-    ctx = mp.get_context(os.environ.get("DEPTHMIX_MP_START", "spawn"))
+    ctx = mp.get_context(os.environ.get("DEPTHMIX_MP_START", "forkserver"))
+    if ctx.get_start_method() == "forkserver":
+        # ranks fork from one server per process that has imported torch and Megatron-Core
+        # once (~3 CPU-s a rank otherwise); the server starts from this process's
+        # environment and imports nothing that changes global state
+        ctx.set_forkserver_preload(["depthmix.testing", "depthmix.pretrain.trainer"])
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
         procs = [ctx.Process(target=_rank_entry,
