@@ -11,7 +11,7 @@ from depthmix.kernels.attnres import attnres_reference, attnres_triton
 from depthmix.kernels.dispatch import resolve_impl
 from depthmix.testing import assert_same_training, build_model, run_layouts, tiny_run
 
-from layouts import layout_params
+from layouts import PerWorld, layout_params
 
 STEPS = 2  # the second step's forward runs the kernels on updated weights
 
@@ -40,26 +40,22 @@ def make_run(mixer, layout, impl):
 
 @pytest.fixture(scope="module")
 def results():
-    """``results(key)``: a run's result; the first request for a world size trains every
-    run of that world size in one process group."""
-    cache = {}
+    """``results(world)``: {run key: result} for every run of that world size, trained in
+    one process group on first use."""
+    def train(world):
+        keys = [k for k in RUNS if LAYOUTS[k[1]][0] == world]
+        return dict(zip(keys, run_layouts([make_run(*k) for k in keys], world_size=world,
+                                          steps=STEPS)))
 
-    def get(key):
-        if key not in cache:
-            world = LAYOUTS[key[1]][0]
-            keys = [k for k in RUNS if LAYOUTS[k[1]][0] == world]
-            cache.update(zip(keys, run_layouts([make_run(*k) for k in keys], world_size=world,
-                                               steps=STEPS)))
-        return cache[key]
-
-    return get
+    return PerWorld(train)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", layout_params(LAYOUTS, __name__))
 @pytest.mark.parametrize("mixer", list(MIXERS))
 def test_triton_trains_like_torch(mixer, layout, results):
-    ours, ref = results((mixer, layout, "triton")), results((mixer, layout, "torch"))
+    runs = results(LAYOUTS[layout][0])
+    ours, ref = runs[(mixer, layout, "triton")], runs[(mixer, layout, "torch")]
     assert len(ours["losses"]) == STEPS
     assert_same_training(ours, ref, f"{mixer} {layout}", loss_rtol=1e-4, grad_rtol=1e-4)
 
