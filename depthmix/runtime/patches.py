@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import multiprocessing.util
 import os
 import pickle
 import queue
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 import warnings
 from typing import List
 
@@ -106,19 +108,33 @@ def helpers_die_with_process() -> bool:
 class ResultsQueue:
     """What Megatron's checkpoint writers hand their results back through, as files: it
     works from a forked background writer (``train.async_save``) as well as in-process, and
-    needs no ``multiprocessing`` Manager process (a pipe could fill before it is read)."""
+    needs no ``multiprocessing`` Manager process (a pipe could fill before it is read).
+
+    The directory exists only once a writer has put something, and goes with
+    :meth:`close` or the process's exit (a ``multiprocessing`` finalizer: it runs in a rank
+    started by ``multiprocessing`` too, and only in the process that made the queue), so
+    runs that never save, or end without uninstalling, leave nothing in the temp dir."""
 
     def __init__(self):
-        self.directory = tempfile.mkdtemp(prefix="depthmix-save-results-")
+        # uuid4 reads os.urandom: the seeded generators are left alone
+        self.directory = os.path.join(tempfile.gettempdir(),
+                                      f"depthmix-save-results-{uuid.uuid4().hex[:12]}")
+        self._finalizer = multiprocessing.util.Finalize(
+            self, shutil.rmtree, args=(self.directory,), kwargs={"ignore_errors": True},
+            exitpriority=0)
 
     def put(self, item) -> None:
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
         path = os.path.join(self.directory, f"{time.time_ns():020d}_{os.getpid()}")
         with open(f"{path}.tmp", "wb") as f:
             pickle.dump(item, f)
         os.replace(f"{path}.tmp", path)
 
     def get_nowait(self):
-        names = sorted(n for n in os.listdir(self.directory) if not n.endswith(".tmp"))
+        try:
+            names = sorted(n for n in os.listdir(self.directory) if not n.endswith(".tmp"))
+        except FileNotFoundError:
+            names = []
         if not names:
             raise queue.Empty
         path = os.path.join(self.directory, names[0])
@@ -128,7 +144,7 @@ class ResultsQueue:
         return item
 
     def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._finalizer()
 
 
 class ForkedHelpers:

@@ -119,3 +119,49 @@ def test_nested_installs_undo_only_at_the_outermost():
     with runtime.installed():
         assert torch.cuda.current_device is patched
     assert runtime.is_installed() and torch.cuda.current_device is patched
+
+
+def _save_results_in_a_rank(item) -> None:
+    """A rank that saves and ends without uninstalling (a ``multiprocessing`` child)."""
+    from depthmix.runtime.patches import ResultsQueue
+
+    queue_ = ResultsQueue()
+    queue_.put(item)
+    assert os.listdir(queue_.directory)
+
+
+@pytest.mark.multiproc(at_once=1)
+def test_checkpoint_write_results_leave_nothing_in_the_temp_dir(tmp_path, monkeypatch):
+    """Megatron's writers hand results back through a directory that exists only while it
+    holds something unread: closed, or at the exit of the process that made it (a script's
+    or a ``multiprocessing`` rank's), it is gone."""
+    import multiprocessing
+    import queue
+    import tempfile
+
+    from depthmix.runtime.patches import ResultsQueue
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    results = ResultsQueue()
+    assert not os.path.exists(results.directory)  # a run that never saves makes nothing
+    with pytest.raises(queue.Empty):
+        results.get_nowait()
+    writer = multiprocessing.get_context("fork").Process(target=results.put, args=({"ok": 1},))
+    writer.start()
+    writer.join()
+    assert writer.exitcode == 0 and results.get_nowait() == {"ok": 1}
+    results.close()
+    assert os.listdir(tmp_path) == []
+
+    rank = multiprocessing.get_context("fork").Process(target=_save_results_in_a_rank,
+                                                       args=({"ok": 2},))
+    rank.start()
+    rank.join()
+    assert rank.exitcode == 0 and os.listdir(tmp_path) == []
+
+    script = ("from depthmix.runtime.patches import ResultsQueue\n"
+              "q = ResultsQueue(); q.put(3); print(q.directory)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith(str(tmp_path)) and os.listdir(tmp_path) == []
