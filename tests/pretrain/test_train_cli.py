@@ -29,15 +29,15 @@ def test_mixers_learn_in_one_multirun(tmp_path):
     proc = run("depthmix-train", [
         "-m", "logger=none", f"hydra.sweep.dir={tmp_path}/sweep",
         f"data.cache_dir={tmp_path}/cache", "model=tiny", "model.num_layers=6",
-        f"mixer={','.join(mixers)}", "train.steps=30", "train.log_interval=30",
+        f"mixer={','.join(mixers)}", "train.steps=15", "train.log_interval=15",
         "train.eval_interval=0", "train.micro_batch_size=16"], timeout=1200)
     jobs = re.split(r"^\[[^\]]*\]\[HYDRA\]\s+#\d+ : ", proc.stdout, flags=re.M)[1:]
     assert len(jobs) == len(mixers), proc.stdout[-3000:]
     for mixer, job in zip(mixers, jobs):
         assert f" mixer={mixer} " in job.split("\n", 1)[0], job[:300]
         losses = {int(s): float(v) for s, v in LINE.findall(job)}
-        assert sorted(losses) == [1, 30], (mixer, job[-1500:])
-        assert losses[30] < 0.75 * losses[1], (mixer, losses)
+        assert sorted(losses) == [1, 15], (mixer, job[-1500:])
+        assert losses[15] < 0.75 * losses[1], (mixer, losses)  # 0.69 when written
     assert len([d for d in (tmp_path / "sweep").iterdir() if d.is_dir()]) == len(mixers)
 
 
