@@ -9,7 +9,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from depthmix.data.corpus import iter_documents
 from depthmix.data.integrity import check_prefix
 from depthmix.cli.preprocess import main
-from depthmix.data.preprocess import _split_names, read_manifest, split_name, token_dtype
+from depthmix.data.preprocess import (_split_names, expand_inputs, preprocess, read_manifest,
+                                      split_name, token_dtype)
 from depthmix.data.tokenizer import HFTokenizer, train_bpe_tokenizer
 
 TEXTS = list(iter_documents(40, seed=5)) + ["unicode: héllo — 😀", " x ", "last one\n"]
@@ -81,6 +82,19 @@ def test_clear_errors(tmp_path, tok_path, capsys):
     err = capsys.readouterr().err
     assert "docs.jsonl:1" in err and "'body'" in err
     assert not list(tmp_path.glob("o*"))  # nothing half-written
+
+
+def test_library_refuses_missing_paths_too(tmp_path, tok_path):
+    """``preprocess()`` called from Python (no CLI in front to check the paths first)."""
+    src = tmp_path / "docs.jsonl"
+    write_jsonl(src, ["a"])
+    with pytest.raises(FileNotFoundError, match="nope.jsonl': no such file"):
+        expand_inputs([str(tmp_path / "nope.jsonl")])
+    with pytest.raises(FileNotFoundError, match="matches no files"):
+        expand_inputs([str(tmp_path / "*.zst")])
+    with pytest.raises(FileNotFoundError, match="--tokenizer .*tok.json': no such file"):
+        preprocess([str(src)], str(tmp_path / "tok.json"), str(tmp_path / "o"))
+    assert not list(tmp_path.glob("o*"))
 
 
 def test_token_dtype():

@@ -188,6 +188,16 @@ def test_a_bias_tensor_is_refused_naming_it(hf_dirs, tmp_path, capsys):
     assert "model.layers.2.self_attn.q_proj.bias" in capsys.readouterr().err
 
 
+def test_prepare_refuses_a_missing_folder(tmp_path):
+    """``prepare()`` called from Python (the CLI checks the path before it)."""
+    from depthmix.config.schema import ConfigError
+    from depthmix.hf.importer import prepare
+
+    with pytest.raises(ConfigError, match="hf_dir=/no/such/model: no such directory"):
+        prepare("/no/such/model", str(tmp_path / "out"))
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("args,named", [
     (["--seq-lenght", "16"], "--seq-lenght"),
     (["--precision", "fp8"], "--precision"),

@@ -8,9 +8,11 @@ The compiles run in one subprocess without ``TRITON_INTERPRET`` (conftest sets i
 and under it ``triton.jit`` builds interpreted functions), one at a time (the other core
 has the other xdist worker), with Triton's cache bypassed: every kernel in every config
 (autotune list after its prune, or the launcher's tile choice) at every benchmark variant
-on both architectures, 244 compiles in about 100 s of one core.
+on both architectures, 244 compiles in about 100 s of one core (then the attnres kernels
+once more through the tool's pool of two forked compilers, about a second).
 ``DEPTHMIX_KERNEL_REPORT_QUICK=1`` compiles each kernel and config at its first variant
-only (88 compiles).
+only (88 compiles): a quicker look, not the same check (a later variant can need more
+registers than the first: up to 16 more in the depth_mix and moda kernels).
 """
 
 from __future__ import annotations
@@ -43,9 +45,12 @@ spilling = next(l for l in R.launches(["depth_mix"]) if l.name == "depth_mix_bwd
 spilling.kwargs.update(BLOCK_T=32, num_warps=2)
 with R.fresh_compiles():
     probe = R.compile_usage(spilling, 90)
+# tools/kernel_report.py's pool (two forked compilers, for a moment): the same answers
+pool = R.compile_report(["attnres"], capabilities=(80,), jobs=2)
 print("REPORT " + json.dumps({
     "rows": [dataclasses.asdict(r) for r in rows],
     "probe": dataclasses.asdict(probe),
+    "pool": [dataclasses.asdict(r) for r in pool],
     "configs": sorted({(l.name, l.config) for l in R.launches()}),
 }))
 """
@@ -64,6 +69,7 @@ def report():
     out = json.loads(line[len("REPORT "):])
     out["rows"] = [Usage(**row) for row in out["rows"]]
     out["probe"] = Usage(**out["probe"])
+    out["pool"] = [Usage(**row) for row in out["pool"]]
     return out
 
 
@@ -95,6 +101,15 @@ def test_a_spilling_config_is_caught(report):
     probe = report["probe"]
     assert probe.spill_stores > 0 and probe.spill_loads > 0 and probe.registers == 255
     assert any("spills" in p for p in probe.problems())
+
+
+def test_a_pool_of_compilers_reports_what_one_process_does(report):
+    def usage(rows):
+        return sorted((r.kernel, r.config, r.registers, r.spill_stores, r.shared) for r in rows)
+
+    alone = [r for r in report["rows"] if r.op == "attnres" and r.arch == "sm_80"]
+    assert len(report["pool"]) == len(alone) >= 2
+    assert usage(report["pool"]) == usage(alone)
 
 
 def test_limits_trip_above_the_architecture():
