@@ -5,9 +5,7 @@ Watched: ``subprocess.Popen`` (a launcher counts as the ranks it starts: torchru
 ``--nproc-per-node``, ``NPROC_PER_NODE`` / ``DEPTHMIX_NPROC_PER_NODE`` in its environment)
 and ``multiprocessing`` process starts (spawned ranks, pools). Not counted: processes
 ``fork``-ed from the test's own process, helpers that share its memory for a moment
-(Megatron's checkpoint writers, two per save), and a ``multiprocessing`` Manager's server
-(Megatron's first save in a process starts one that lives as long as the process: it is
-the worker's, not the test's)."""
+(Megatron's checkpoint writers, two per save)."""
 
 from __future__ import annotations
 
@@ -55,8 +53,7 @@ class Launches:
             process_start(process)
             method = getattr(process, "_start_method", None) or \
                 multiprocessing.get_start_method(allow_none=True) or "fork"
-            target = getattr(getattr(process, "_target", None), "__name__", "")
-            if method != "fork" and target != "_run_server":
+            if method != "fork":
                 launches._started(process.is_alive, 1)
 
         subprocess.Popen.__init__ = init

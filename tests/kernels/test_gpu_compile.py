@@ -30,7 +30,8 @@ pytest.importorskip("triton", reason="the triton package is not installed (non-x
 
 from depthmix.kernels.gpu_report import ARCHS, Usage, check_limits
 
-# one child: the subprocess that compiles (the forked pool of jobs=2 would make it two)
+# one child: the subprocess that compiles, one kernel at a time (its pool check forks two
+# compilers for about a second)
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1),
               pytest.mark.xdist_group("test_gpu_compile")]  # one worker compiles the report
 

@@ -21,7 +21,8 @@ from ops_harness import PYTHON, run_cli
 from wandb_files import read_run, run_dirs
 
 # one shared sweep: its tests stay on one xdist worker
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1), pytest.mark.xdist_group("test_sweep")]
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1),
+              pytest.mark.xdist_group("test_sweep")]
 
 STRIDES = (1, 2, 4)
 LOSS = re.compile(r"run finished at step 3/3 \| train loss ([0-9.]+) \| eval loss ([0-9.]+)")
