@@ -11,6 +11,14 @@ plumbing; CPU times say nothing about GPU kernels.
 
     python tools/bench_kernels.py                     # all ops
     python tools/bench_kernels.py --ops attnres,mhc --reps 20
+    python tools/bench_kernels.py --ops depth_mix --cases T4096 --candidates ours,sdpa
+    python tools/bench_kernels.py --check --cases T4096     # ours vs the fp32 reference
+
+``--check`` times nothing: for each case it runs ``ours`` and our PyTorch path (``torch``,
+on the same inputs cast to fp32) once, forward and backward with the same output
+gradients, and prints the largest ``||ours - ref|| / ||ref||`` over the outputs and over
+the input gradients: on a GPU, the kernels' numerics at the benchmark shapes (the tests
+check them in Triton's CPU interpreter at small shapes).
 """
 
 from __future__ import annotations
@@ -29,6 +37,13 @@ def parse_args():
     p.add_argument("--reps", type=int, default=10, help="timed repetitions")
     p.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (default without CUDA)")
+    p.add_argument("--cases", default="",
+                   help="comma list: run only cases whose 'op shape' label holds one of these")
+    p.add_argument("--candidates", default="",
+                   help="comma list of candidates to time ('ours' keeps 'ours+sdpa' too; each "
+                        "case's baseline is kept)")
+    p.add_argument("--check", action="store_true",
+                   help="compare ours with the fp32 reference instead of timing")
     return p.parse_args()
 
 
@@ -71,6 +86,65 @@ def measure(fn: Callable, make_inputs: Callable, backward: bool, reps: int, warm
     return statistics.median(times), peak
 
 
+def _tensors(tree) -> List[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+def _as_fp32(tree):
+    """The same inputs as fp32 leaves (floating tensors only), gradients kept."""
+    if isinstance(tree, torch.Tensor):
+        if not tree.is_floating_point():
+            return tree
+        return tree.detach().float().requires_grad_(tree.requires_grad)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_as_fp32(item) for item in tree)
+    if isinstance(tree, dict):
+        return {k: _as_fp32(v) for k, v in tree.items()}
+    return tree
+
+
+def _relative_error(ours: List[torch.Tensor], ref: List[torch.Tensor]) -> float:
+    worst = 0.0
+    for a, b in zip(ours, ref):
+        if a is None or b is None:
+            continue
+        b = b.float()
+        worst = max(worst, ((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def check(case) -> str:
+    """``ours`` vs ``torch`` on fp32 copies of the same inputs: worst relative error of the
+    outputs and of the input gradients."""
+    torch.manual_seed(0)
+    args, kwargs = case.make_inputs()
+    results = []
+    for name, inputs in (("ours", (args, kwargs)), ("torch", _as_fp32((args, kwargs)))):
+        leaves = [t for t in _tensors(inputs) if t.requires_grad]
+        outs = _outputs(case.candidates[name](*inputs[0], **inputs[1]))
+        if not results:
+            gen = torch.Generator(device=outs[0].device).manual_seed(1)
+            grads = [torch.randn(o.shape, generator=gen, device=o.device) for o in outs]
+        torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(grads, outs)])
+        results.append(([o.detach() for o in outs], [t.grad for t in leaves]))
+        for t in leaves:
+            t.grad = None
+    (out_a, grad_a), (out_b, grad_b) = results
+    return (f"outputs {_relative_error(out_a, out_b):.2e}  "
+            f"input grads {_relative_error(grad_a, grad_b):.2e}  "
+            f"({len(grad_a)} grads, {str(_tensors(args)[0].dtype).replace('torch.', '')})")
+
+
+def _selected(case, patterns: List[str]) -> bool:
+    return not patterns or any(p in f"{case.op} {case.shape}" for p in patterns)
+
+
 def main():
     args = parse_args()
     if args.ops == "all":
@@ -87,11 +161,21 @@ def main():
     print(f"{device} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{'smoke shapes' if smoke else 'full shapes'} | median of {args.reps}")
     header = f"{'op':<16}{'shape':<34}{'candidate':<14}{'fwd ms':>9}{'f+b ms':>9}{'f+b/base':>10}{'peak MiB':>10}"
-    print(header)
+    patterns = [p for p in args.cases.split(",") if p]
+    keep = {c for c in args.candidates.split(",") if c}
+    print("ours vs the fp32 reference: worst ||ours - ref|| / ||ref||" if args.check else header)
     for op in args.ops.split(","):
         for case in kernels.bench(op).cases(smoke):
+            if not _selected(case, patterns):
+                continue
+            if args.check:
+                if {"ours", "torch"} <= set(case.candidates):
+                    print(f"{op:<16}{case.shape:<34}{check(case)}", flush=True)
+                continue
             results = {}
             for name, fn in case.candidates.items():
+                if keep and name != case.baseline and not keep & set(name.split("+")):
+                    continue
                 try:
                     fwd, _ = measure(fn, case.make_inputs, False, args.reps, args.warmup)
                     both, peak = measure(fn, case.make_inputs, True, args.reps, args.warmup)
@@ -105,7 +189,7 @@ def main():
                     continue
                 ratio = r[1] / ref[1] if isinstance(ref, tuple) else float("nan")
                 print(f"{op:<16}{case.shape:<34}{name:<14}{r[0] * 1e3:>9.3f}{r[1] * 1e3:>9.3f}"
-                      f"{ratio:>10.3f}{r[2] / 2**20:>10.1f}")
+                      f"{ratio:>10.3f}{r[2] / 2**20:>10.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -188,3 +188,29 @@ def test_full_shapes_mhc(monkeypatch):
             assert x.dtype == torch.bfloat16 and x.shape[1:] == (1, 4, 2048)
         seen.add((kind, tensors[0].shape[0]))
     assert seen == {(k, t) for k in ("sinkhorn", "read", "post_res") for t in FULL_T}
+
+
+def _bench_kernels_tool():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels_tool", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not triton_status()[0], reason=triton_status()[1])
+def test_check_reports_ours_against_the_fp32_reference():
+    """``bench_kernels.py --check`` (what a GPU run prints for the kernels' numerics) finds
+    the interpreter's kernel at fp32 accuracy, and finds a kernel that is 1 % off."""
+    tool = _bench_kernels_tool()
+    case = kernels.bench("depth_mix").cases(smoke=True)[0]
+    errors = [float(word) for word in tool.check(case).split() if "e-" in word]
+    assert len(errors) == 2 and max(errors) < 1e-5, errors
+
+    torch_path = case.candidates["torch"]
+    case.candidates["ours"] = lambda *a, **k: torch_path(*a, **k) * 1.01
+    errors = [float(word) for word in tool.check(case).split() if "e-" in word]
+    assert min(errors) > 5e-3, errors
