@@ -1,22 +1,18 @@
 """tools/bench_inference.py at a smoke shape: every mixer runs, and what it measures is right."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
 from depthmix.mixers import available
 from depthmix.mixers.attnres import AttnResGeometry
 
-TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "bench_inference.py")
+from tools_modules import load_tool
 
 
 @pytest.fixture(scope="module")
 def bench(megatron_single, tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("bench_inference", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_tool("bench_inference")
     out = str(tmp_path_factory.mktemp("bench") / "results.json")
     module.main(["--prefill", "5", "--decode", "2", "--batch", "2", "--reps", "1",
                  "--warmup", "0", "--json", out])

@@ -1,9 +1,7 @@
 """tools/test_times.py: seconds per test file from pytest's JUnit XML, slowest first."""
 
-import importlib.util
-import os
+from tools_modules import load_tool
 
-TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "test_times.py")
 XML = """<?xml version="1.0"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.ops.test_a" name="t1" time="1.5"/>
 <testcase classname="tests.ops.test_a.TestX" name="t2" time="2.0"><skipped/></testcase>
@@ -12,10 +10,7 @@ XML = """<?xml version="1.0"?><testsuites><testsuite name="pytest">
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("test_times_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("test_times")
 
 
 def test_files_slowest_first_with_counts(tmp_path, capsys):

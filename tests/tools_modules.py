@@ -1,0 +1,14 @@
+"""The scripts under ``tools/`` imported as modules, for tests that call their functions."""
+
+import importlib.util
+import os
+
+TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools")
+
+
+def load_tool(name: str):
+    """``tools/<name>.py`` as a fresh module (its ``__main__`` block does not run)."""
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", os.path.join(TOOLS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
