@@ -188,4 +188,3 @@ def test_full_shapes_mhc(monkeypatch):
             assert x.dtype == torch.bfloat16 and x.shape[1:] == (1, 4, 2048)
         seen.add((kind, tensors[0].shape[0]))
     assert seen == {(k, t) for k in ("sinkhorn", "read", "post_res") for t in FULL_T}
-
