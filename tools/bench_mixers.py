@@ -3,8 +3,9 @@
 
 All models are built in one process and stepped round-robin (vanilla, mixer A, mixer B,
 vanilla, ...), so drift in machine load hits every method alike; the table reports the
-median step time and its ratio to vanilla's. CPU numbers are ratios only; absolute times
-mean something on a GPU.
+median step time and its ratio to vanilla's, tokens/s, and on a GPU the MFU as the trainer's
+log line counts it (``depthmix.planning.flops``: attention over the whole score square, as
+Megatron-LM counts it). CPU numbers are ratios only; absolute times mean something on a GPU.
 
     python tools/bench_mixers.py                       # tiny model, every mixer, CPU
     python tools/bench_mixers.py --model 1p5b --layers 4 --seq 2048 --micro-batch 1 \\
@@ -192,6 +193,7 @@ def main():
 
     run_log.quiet_libraries(verbose=False)
     runtime.install()  # this process's patches; Megatron's import-time notices held back
+    from depthmix.planning.flops import device_peak_tflops, flops_per_token
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import SyntheticData
 
@@ -224,16 +226,21 @@ def main():
     compiled_base = next((statistics.median(times[i]) for i, (n, impl, _) in enumerate(trainers)
                           if n == "vanilla" and impl.endswith("+c")), None)
     compiled_rows = any(impl.endswith("+c") for _, impl, _ in trainers)
-    print(f"{'mixer':<16}{'impl':<10}{'ms/step':>10}{'ratio':>8}{'vs same':>9}{'params':>12}"
-          f"{'extra':>10}" + (f"{'graphs':>8}{'breaks':>8}{'compile s':>11}" if compiled_rows
-                              else ""))
+    print(f"{'mixer':<16}{'impl':<10}{'ms/step':>10}{'ratio':>8}{'vs same':>9}{'tokens/s':>10}"
+          f"{'MFU':>7}{'params':>13}{'extra':>11}"
+          + (f"{'graphs':>8}{'breaks':>8}{'compile s':>11}" if compiled_rows else ""))
     vanilla_params = sum(p.numel() for p in trainers[0][2].model[0].parameters())
+    peak = device_peak_tflops(trainers[0][2].run, device if torch.cuda.is_available() else None)
     for i, (name, impl, trainer) in enumerate(trainers):
         t = statistics.median(times[i])
         same = compiled_base if impl.endswith("+c") else base  # compiled vs compiled vanilla
         n = sum(p.numel() for p in trainer.model[0].parameters())
-        line = (f"{name:<16}{impl:<10}{t * 1e3:>10.1f}{t / base:>8.3f}{t / same:>9.3f}{n:>12,}"
-                f"{n - vanilla_params:>10,}")
+        tokens_per_s = args.micro_batch * trainer.run.model.seq_length / t
+        # the trainer's own count (depthmix.planning.flops): what its log line's MFU reads
+        tflops = flops_per_token(trainer.run, trainer.config)["train"] * tokens_per_s / 1e12
+        mfu = f"{tflops / peak:>7.1%}" if peak else f"{'-':>7}"
+        line = (f"{name:<16}{impl:<10}{t * 1e3:>10.1f}{t / base:>8.3f}{t / same:>9.3f}"
+                f"{tokens_per_s:>10,.0f}{mfu}{n:>13,}{n - vanilla_params:>11,}")
         if impl.endswith("+c"):  # compile time: the first step less a compiled step
             line += (f"{dynamo[i]['graphs']:>8}{dynamo[i]['breaks']:>8}"
                      f"{first_step[i] - t:>11.1f}")
