@@ -13,20 +13,29 @@ plumbing; CPU times say nothing about GPU kernels.
     python tools/bench_kernels.py --ops attnres,mhc --reps 20
     python tools/bench_kernels.py --ops depth_mix --cases T4096 --candidates ours,sdpa
     python tools/bench_kernels.py --check --cases T4096     # ours vs the fp32 reference
+    python tools/bench_kernels.py --ops depth_mix --cases "op T16384-G4" --candidates ours \
+        --profile 20 --trace traces/                       # where the time goes
 
 ``--check`` times nothing: for each case it runs ``ours`` and our PyTorch path (``torch``,
 on the same inputs cast to fp32) once, forward and backward with the same output
 gradients, and prints the largest ``||ours - ref|| / ||ref||`` over the outputs and over
 the input gradients: on a GPU, the kernels' numerics at the benchmark shapes (the tests
 check them in Triton's CPU interpreter at small shapes).
+
+``--profile N`` times nothing either: each selected candidate runs forward + backward N
+times under ``torch.profiler`` (host and, on a GPU, device activity and Python stacks),
+and the tool prints the wall time per iteration without the profiler, the host time and
+kernel time per iteration under it, and the operators by host time; ``--trace DIR`` also
+writes a Chrome trace per candidate (``chrome://tracing``, Perfetto).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from depthmix.cli.command import ArgumentParser, DefaultsFormatter
 
@@ -44,6 +53,10 @@ def parse_args():
                         "case's baseline is kept)")
     p.add_argument("--check", action="store_true",
                    help="compare ours with the fp32 reference instead of timing")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N forward+backward iterations instead of timing")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: write a Chrome trace per candidate here")
     return p.parse_args()
 
 
@@ -124,6 +137,53 @@ def check(case) -> Tuple[float, float, int]:
     return _relative_error(out_a, out_b), _relative_error(grad_a, grad_b), len(grad_a)
 
 
+def _fwd_bwd(fn: Callable, args, kwargs) -> None:
+    outs = _outputs(fn(*args, **kwargs))
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+
+def profile(label: str, fn: Callable, make_inputs: Callable, iters: int, warmup: int,
+            trace_dir: Optional[str]) -> None:
+    """``iters`` forward+backward calls on the same inputs, once timed and once under
+    ``torch.profiler``: wall, host and kernel time per call, and the top operators."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    from torch.profiler import schedule
+
+    args, kwargs = make_inputs()
+    for _ in range(warmup):
+        _fwd_bwd(fn, args, kwargs)
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        _fwd_bwd(fn, args, kwargs)
+    _sync()
+    wall = (time.perf_counter() - t0) / iters
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    # A profiled warm-up call first takes the profiler's own start-up out of the averages.
+    # Python stacks on a GPU only: in Triton's interpreter they outgrow memory.
+    with torch_profile(activities=activities, with_stack=torch.cuda.is_available(),
+                       schedule=schedule(wait=0, warmup=1, active=iters, repeat=1)) as prof:
+        for _ in range(iters + 1):
+            _fwd_bwd(fn, args, kwargs)
+            _sync()
+            prof.step()
+    table = prof.key_averages()
+    host = sum(e.self_cpu_time_total for e in table) / iters / 1e3
+    kernels_ms = sum(e.self_device_time_total for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA) / iters / 1e3
+    print(f"\n{label}: wall {wall * 1e3:.3f} ms a call; under the profiler: host "
+          f"{host:.3f} ms, kernels {kernels_ms:.3f} ms a call ({iters} calls)")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, re.sub(r"[^\w.+-]+", "_", label) + ".json")
+        prof.export_chrome_trace(path)
+        print(f"trace: {path}")
+
+
 def _selected(case, patterns: List[str]) -> bool:
     return not patterns or any(p in f"{case.op} {case.shape}" for p in patterns)
 
@@ -146,7 +206,10 @@ def main():
     header = f"{'op':<16}{'shape':<34}{'candidate':<14}{'fwd ms':>9}{'f+b ms':>9}{'f+b/base':>10}{'peak MiB':>10}"
     patterns = [p for p in args.cases.split(",") if p]
     keep = {c for c in args.candidates.split(",") if c}
-    print("ours vs the fp32 reference: worst ||ours - ref|| / ||ref||" if args.check else header)
+    if args.check:
+        print("ours vs the fp32 reference: worst ||ours - ref|| / ||ref||")
+    elif not args.profile:
+        print(header)
     for op in args.ops.split(","):
         for case in kernels.bench(op).cases(smoke):
             if not _selected(case, patterns):
@@ -156,6 +219,12 @@ def main():
                     outputs, grads, n = check(case)
                     print(f"{op:<16}{case.shape:<34}outputs {outputs:.2e}  input grads "
                           f"{grads:.2e}  ({n} grads)", flush=True)
+                continue
+            if args.profile:
+                for name, fn in case.candidates.items():
+                    if not keep or keep & set(name.split("+")):
+                        profile(f"{op} {case.shape} {name}", fn, case.make_inputs,
+                                args.profile, args.warmup, args.trace)
                 continue
             results = {}
             for name, fn in case.candidates.items():
