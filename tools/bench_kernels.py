@@ -146,9 +146,7 @@ def profile(label: str, fn: Callable, make_inputs: Callable, iters: int, warmup:
             trace_dir: Optional[str]) -> None:
     """``iters`` forward+backward calls on the same inputs, once timed and once under
     ``torch.profiler``: wall, host and kernel time per call, and the top operators."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-    from torch.profiler import schedule
+    from depthmix.pretrain.callbacks.profiler import profile_calls
 
     args, kwargs = make_inputs()
     for _ in range(warmup):
@@ -159,29 +157,15 @@ def profile(label: str, fn: Callable, make_inputs: Callable, iters: int, warmup:
         _fwd_bwd(fn, args, kwargs)
     _sync()
     wall = (time.perf_counter() - t0) / iters
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    # A profiled warm-up call first takes the profiler's own start-up out of the averages.
-    # Python stacks on a GPU only: in Triton's interpreter they outgrow memory.
-    with torch_profile(activities=activities, with_stack=torch.cuda.is_available(),
-                       schedule=schedule(wait=0, warmup=1, active=iters, repeat=1)) as prof:
-        for _ in range(iters + 1):
-            _fwd_bwd(fn, args, kwargs)
-            _sync()
-            prof.step()
-    table = prof.key_averages()
-    host = sum(e.self_cpu_time_total for e in table) / iters / 1e3
-    kernels_ms = sum(e.self_device_time_total for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA) / iters / 1e3
+    trace = (os.path.join(trace_dir, re.sub(r"[^\w.+-]+", "_", label) + ".json")
+             if trace_dir else None)
+    prof = profile_calls(lambda: _fwd_bwd(fn, args, kwargs), iters, trace)
     print(f"\n{label}: wall {wall * 1e3:.3f} ms a call; under the profiler: host "
-          f"{host:.3f} ms, kernels {kernels_ms:.3f} ms a call ({iters} calls)")
-    print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
-    if trace_dir:
-        os.makedirs(trace_dir, exist_ok=True)
-        path = os.path.join(trace_dir, re.sub(r"[^\w.+-]+", "_", label) + ".json")
-        prof.export_chrome_trace(path)
-        print(f"trace: {path}")
+          f"{prof.host_ms:.3f} ms, kernels {prof.kernel_ms:.3f} ms a call ({iters} calls)")
+    print(prof.table.table(sort_by="self_cpu_time_total", row_limit=15,
+                           max_name_column_width=60))
+    if trace:
+        print(f"trace: {trace}")
 
 
 def _selected(case, patterns: List[str]) -> bool:

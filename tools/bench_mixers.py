@@ -11,6 +11,7 @@ Megatron-LM counts it). CPU numbers are ratios only; absolute times mean somethi
     python tools/bench_mixers.py --model 1p5b --layers 4 --seq 2048 --micro-batch 1 \\
         --precision bf16 --impl torch,triton           # on a GPU
     python tools/bench_mixers.py --compile both --peers  # + compiled rows, peer models
+    python tools/bench_mixers.py --profile 3 --trace traces/  # host vs GPU time per step
 
 ``--compile both`` adds a compiled row (``train.compile=true``) per mixer, with its ratio to
 eager vanilla and to compiled vanilla, the graphs Dynamo compiled for it (its distinct
@@ -23,6 +24,7 @@ Qwen3-style shape, side by side.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import Counter
@@ -50,6 +52,10 @@ def parse_args():
                    help="train.compile=false, true, or one row of each per mixer")
     p.add_argument("--peers", action="store_true",
                    help="also time Megatron-Core's GPTModel and HF Qwen3 at the same shape")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then profile N more steps of each model: host and GPU kernel time")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: a Chrome trace per model here")
     return p.parse_args()
 
 
@@ -178,6 +184,20 @@ def print_peers(vanilla_trainer, args) -> None:
         print(f"{name:<20}{times[name] * 1e3:>10.1f}{times[name] / base:>8.3f}{n:>14,}")
 
 
+def print_profiles(trainers, times, args) -> None:
+    """Each model's step under ``torch.profiler``: is it the host or the GPU that sets the
+    pace (a step whose host time exceeds its kernel time waits on Python and launches)?"""
+    from depthmix.pretrain.callbacks.profiler import profile_calls
+
+    print(f"\nunder torch.profiler, {args.profile} steps each (the profiler adds host time)\n")
+    print(f"{'mixer':<16}{'impl':<10}{'ms/step':>10}{'host ms':>10}{'kernel ms':>11}")
+    for i, (name, impl, trainer) in enumerate(trainers):
+        trace = os.path.join(args.trace, f"{name}_{impl}.json") if args.trace else None
+        prof = profile_calls(trainer.train_one_step, args.profile, trace)
+        print(f"{name:<16}{impl:<10}{statistics.median(times[i]) * 1e3:>10.1f}"
+              f"{prof.host_ms:>10.1f}{prof.kernel_ms:>11.1f}")
+
+
 def _dynamo_counts() -> Counter:
     """Graphs Dynamo has compiled and graph breaks it has taken so far in this process."""
     from torch._dynamo.utils import counters
@@ -247,6 +267,8 @@ def main():
         print(line)
     if args.peers:
         print_peers(trainers[0][2], args)
+    if args.profile:
+        print_profiles(trainers, times, args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""``train.profile_steps=[first,last]``: a torch profiler trace of those training steps.
+"""``train.profile_steps=[first,last]``: a torch profiler trace of those training steps;
+:func:`profile_calls` for the benchmark tools.
 
 Every rank writes ``<output_dir>/profile/trace_steps<first>-<last>_rank<r>.json`` (Chrome
 trace format: open in https://ui.perfetto.dev or ``chrome://tracing``); on CUDA also
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -101,3 +103,40 @@ class ProfilerCallback(Callback):
             self._stop(trainer)
         except Exception:
             log.warning("could not write the profiler trace after the error", exc_info=True)
+
+
+@dataclass
+class CallProfile:
+    host_ms: float
+    """Host time per call under the profiler (the profiler's own bookkeeping included)."""
+    kernel_ms: float
+    """GPU kernel time per call (0 without CUDA)."""
+    table: object
+    """``torch.profiler``'s operator averages (``.table(...)`` prints them)."""
+
+
+def profile_calls(call: Callable[[], object], iters: int,
+                  trace: Optional[str] = None) -> CallProfile:
+    """``call()`` ``iters`` times under ``torch.profiler``, after one profiled warm-up call
+    that takes the profiler's own start-up out of the numbers; ``trace``: also a Chrome
+    trace there. Python stacks on a GPU only: in Triton's CPU interpreter every kernel
+    program is Python, and its stacks outgrow memory."""
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    steps = torch.profiler.schedule(wait=0, warmup=1, active=iters, repeat=1)
+    with torch.profiler.profile(activities=activities, with_stack=cuda, schedule=steps) as prof:
+        for _ in range(iters + 1):
+            call()
+            sync()
+            prof.step()
+    table = prof.key_averages()
+    host = sum(e.self_cpu_time_total for e in table) / iters / 1e3
+    kernels = sum(e.self_device_time_total for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA) / iters / 1e3
+    if trace:
+        os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)
+        prof.export_chrome_trace(trace)
+    return CallProfile(host, kernels, table)
