@@ -79,6 +79,11 @@ def _outputs(out) -> List[torch.Tensor]:
     return [o for o in out if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
+def _fwd_bwd(fn: Callable, args, kwargs) -> None:
+    outs = _outputs(fn(*args, **kwargs))
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+
 def measure(fn: Callable, make_inputs: Callable, backward: bool, reps: int, warmup: int):
     times = []
     for i in range(warmup + reps):
@@ -88,14 +93,11 @@ def measure(fn: Callable, make_inputs: Callable, backward: bool, reps: int, warm
             base = torch.cuda.memory_allocated()
         _sync()
         t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        if backward:
-            outs = _outputs(out)
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        out = _fwd_bwd(fn, args, kwargs) if backward else fn(*args, **kwargs)
         _sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-        args = kwargs = out = outs = None  # free inputs, grads and graph before the next inputs
+        args = kwargs = out = None  # free inputs, grads and graph before the next inputs
     peak = (torch.cuda.max_memory_allocated() - base) if torch.cuda.is_available() else 0
     return statistics.median(times), peak
 
@@ -137,11 +139,6 @@ def check(case) -> Tuple[float, float, int]:
     return _relative_error(out_a, out_b), _relative_error(grad_a, grad_b), len(grad_a)
 
 
-def _fwd_bwd(fn: Callable, args, kwargs) -> None:
-    outs = _outputs(fn(*args, **kwargs))
-    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-
-
 def profile(label: str, fn: Callable, make_inputs: Callable, iters: int, warmup: int,
             trace_dir: Optional[str]) -> None:
     """``iters`` forward+backward calls on the same inputs, once timed and once under
@@ -170,6 +167,11 @@ def profile(label: str, fn: Callable, make_inputs: Callable, iters: int, warmup:
 
 def _selected(case, patterns: List[str]) -> bool:
     return not patterns or any(p in f"{case.op} {case.shape}" for p in patterns)
+
+
+def _wanted(name: str, keep: set) -> bool:
+    """``--candidates``: a name matches by its parts (``ours`` keeps ``ours+sdpa``)."""
+    return not keep or bool(keep & set(name.split("+")))
 
 
 def main():
@@ -206,13 +208,13 @@ def main():
                 continue
             if args.profile:
                 for name, fn in case.candidates.items():
-                    if not keep or keep & set(name.split("+")):
+                    if _wanted(name, keep):
                         profile(f"{op} {case.shape} {name}", fn, case.make_inputs,
                                 args.profile, args.warmup, args.trace)
                 continue
             results = {}
             for name, fn in case.candidates.items():
-                if keep and name != case.baseline and not keep & set(name.split("+")):
+                if name != case.baseline and not _wanted(name, keep):
                     continue
                 try:
                     fwd, _ = measure(fn, case.make_inputs, False, args.reps, args.warmup)

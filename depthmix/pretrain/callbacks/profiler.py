@@ -24,6 +24,14 @@ log = logging.getLogger("depthmix")
 MEMORY_HISTORY_ENTRIES = 100_000
 
 
+def _activities() -> list:
+    """The host, and the GPU where there is one."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities
+
+
 class ProfilerCallback(Callback):
     def __init__(self):
         self.profiler: Optional[torch.profiler.profile] = None
@@ -46,12 +54,10 @@ class ProfilerCallback(Callback):
         first, last = self._range(trainer)
         if self.profiler is not None or not first <= trainer.step + 1 <= last:
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
             self.memory = True
-        self.profiler = torch.profiler.profile(activities=activities, record_shapes=True,
+        self.profiler = torch.profiler.profile(activities=_activities(), record_shapes=True,
                                                profile_memory=True, with_stack=False)
         self.profiler.__enter__()
         self._mark(trainer.step + 1)
@@ -123,11 +129,9 @@ def profile_calls(call: Callable[[], object], iters: int,
     program is Python, and its stacks outgrow memory."""
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     steps = torch.profiler.schedule(wait=0, warmup=1, active=iters, repeat=1)
-    with torch.profiler.profile(activities=activities, with_stack=cuda, schedule=steps) as prof:
+    with torch.profiler.profile(activities=_activities(), with_stack=cuda,
+                                schedule=steps) as prof:
         for _ in range(iters + 1):
             call()
             sync()
