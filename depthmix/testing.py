@@ -83,9 +83,9 @@ def build_model(run: RunConfig, dtype: Optional[torch.dtype] = None):
 def train_and_save(run: RunConfig, root: str, tokenizer: str) -> str:
     """One step of ``run``, then a checkpoint in ``root`` carrying the ``tokenizer`` file;
     returns its directory. Collective."""
-    from megatron.core import parallel_state
 
     from depthmix.data.tokenizer import HFTokenizer
+    from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer
 
     run.train.save_dir, run.output_dir = root, os.path.dirname(root)
@@ -95,7 +95,7 @@ def train_and_save(run: RunConfig, root: str, tokenizer: str) -> str:
     trainer.data.tokenizer = HFTokenizer(tokenizer)  # saved beside the weights
     path = trainer.save_checkpoint(root)
     del trainer
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     return path
 
 
@@ -259,7 +259,7 @@ def _train_runs(runs: list, steps: int, mode: str) -> list:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from depthmix.pretrain.parallelize import unwrap
+    from depthmix.pretrain.parallelize import destroy_model_parallel, unwrap
     from depthmix.pretrain.trainer import Trainer
 
     results = []
@@ -281,7 +281,7 @@ def _train_runs(runs: list, steps: int, mode: str) -> list:
         result["bytes_sent"] = {k: v for part in everyone for k, v in part.items()}
         results.append(result)
         del trainer
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     return results if dist.get_rank() == 0 else None
 
 

@@ -52,10 +52,9 @@ def make_run(shape: str, out: str):
 
 
 def bench(shape: str, reps: int, out: str) -> dict:
-    from megatron.core import parallel_state
-
     from depthmix.checkpoint import guard
     from depthmix.checkpoint.background import BackgroundSaves
+    from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import SyntheticData
 
@@ -85,7 +84,7 @@ def bench(shape: str, reps: int, out: str) -> dict:
     finally:
         saves.abort()
         del trainer
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     med = statistics.median
     return {"shape": shape, "params": params, "bytes": size, "sync": med(sync),
             "blocked": med(blocked), "written": med(written), "load": med(load)}

@@ -72,7 +72,7 @@ def init_distributed(run: RunConfig) -> Topology:
         or parallel_state.get_pipeline_model_parallel_world_size() != p.pp
         or parallel_state.get_virtual_pipeline_model_parallel_world_size() != p.vp
     ):  # a later job of a multirun in the same process asks for another layout
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tp,
@@ -93,9 +93,22 @@ def init_distributed(run: RunConfig) -> Topology:
     )
 
 
+def destroy_model_parallel() -> None:
+    """Megatron's ``destroy_model_parallel`` and the process groups it created: Megatron
+    only forgets them (its data-parallel gloo groups aside), and each live gloo group keeps
+    a thread that wakes every 10 ms, so a process that re-initialises for another layout
+    (a multirun's next job, a test running many layouts) would gather them by the hundred."""
+    groups = [g for g in (getattr(parallel_state, "_global_process_group_list", None) or [])
+              if g is not None]  # None stands for the default group: it stays
+    parallel_state.destroy_model_parallel()
+    for group in groups:
+        if group in dist.distributed_c10d._world.pg_map:  # not destroyed by Megatron already
+            dist.destroy_process_group(group)
+
+
 def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -50,13 +50,18 @@ def _logits_and_loss(ckpt: str, parallel: dict):
     """Build the imported model lean at ``parallel``, load it, run one eval step; returns
     (full logits on the logging rank else None, loss)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
     from depthmix.checkpoint.distributed import load
     from depthmix.checkpoint.record import run_from_record
     from depthmix.checkpoint.store import find_checkpoint, read_meta
     from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.pretrain.parallelize import build_chunks, init_distributed, unwrap
+    from depthmix.pretrain.parallelize import (
+        build_chunks,
+        destroy_model_parallel,
+        init_distributed,
+        unwrap,
+    )
     from depthmix.pretrain.step import eval_step
 
     path = find_checkpoint(ckpt)
@@ -80,19 +85,18 @@ def _logits_and_loss(ckpt: str, parallel: dict):
     keep = topo.is_logging_rank
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, logits if keep else None)
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     return next(x for x in everyone if x is not None), loss
 
 
 def _lean_evaluation(ckpt: str, dataset: str, tmp: str) -> dict:
     """depthmix-eval's evaluator at TP2 x PP2, then today's DDP-wrapped model evaluated
     alike: their loss and the tensor bytes each added, next to the weights' bytes."""
-    from megatron.core import parallel_state
 
     from depthmix.checkpoint.distributed import load
     from depthmix.evaluate.job import compose_job
     from depthmix.evaluate.perplexity import Evaluator
-    from depthmix.pretrain.parallelize import build_model
+    from depthmix.pretrain.parallelize import build_model, destroy_model_parallel
 
     job = compose_job(f"eval.checkpoint={ckpt}", f"eval.datasets={{d: {dataset}}}",
                       "eval.batch_size=2", f"eval.output={tmp}/lean.json", "logger=none",
@@ -114,14 +118,13 @@ def _lean_evaluation(ckpt: str, dataset: str, tmp: str) -> dict:
     out["ddp_bytes"] = live_tensor_bytes() - before
     out["ddp_loss"] = evaluate().loss
     del evaluator
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     return out
 
 
 def _continue_with_attnres(out_dir: str, name: str) -> list:
-    from megatron.core import parallel_state
-
     from depthmix.config.load import compose_run
+    from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer
 
     run = compose_run(f"hydra.searchpath=[file://{out_dir}/configs]", f"model={name}",
@@ -133,7 +136,7 @@ def _continue_with_attnres(out_dir: str, name: str) -> list:
     trainer = Trainer(run, data=SyntheticData, callbacks=[])
     losses = [trainer.train_one_step().loss for _ in range(5)]
     del trainer
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     return losses
 
 
@@ -147,8 +150,7 @@ def tied_run(**parallel):
 
 
 def _train_tied(destroy: bool = True, **parallel) -> dict:
-    from megatron.core import parallel_state
-
+    from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import gather_full
 
@@ -166,7 +168,7 @@ def _train_tied(destroy: bool = True, **parallel) -> dict:
                                                        else None).loss)
     del trainer
     if destroy:
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()
     return result
 
 

@@ -94,8 +94,8 @@ def make_run(steps: int = 6, **parallel):
 def train(run, callbacks=(), data=SyntheticData) -> tuple:
     """Build a Trainer (synthetic data at the restored position), train, tear down
     Megatron's parallel state. Returns (recorded steps, trainer facts)."""
-    from megatron.core import parallel_state
 
+    from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer
 
     recorder = Recorder()
@@ -110,7 +110,7 @@ def train(run, callbacks=(), data=SyntheticData) -> tuple:
     facts["stop_reason"] = trainer.stop_reason
     facts["end_step"] = trainer.step
     del trainer
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     return recorder.steps, facts
 
 

@@ -55,8 +55,7 @@ def _weights_digest(model) -> str:
 
 
 def _parity_run(case: str, parallel: dict) -> dict:
-    from megatron.core import parallel_state
-
+    from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import SyntheticData
 
@@ -79,7 +78,7 @@ def _parity_run(case: str, parallel: dict) -> dict:
     out["eval"] = trainer.evaluate().loss
     out["weights"] = (trainer.topo.pp_rank, _weights_digest(trainer.model))
     del trainer
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     return out
 
 
@@ -130,10 +129,9 @@ def _health_and_resume(tmp: str) -> dict:
 def _order_of_events(distributed_optimizer: bool, on: bool) -> list:
     """Step 2's collective calls on gradient buckets and the start of each layer's backward,
     in the order they happened on this rank, for the last micro-batch."""
-    from megatron.core import parallel_state
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
-    from depthmix.pretrain.parallelize import unwrap
+    from depthmix.pretrain.parallelize import destroy_model_parallel, unwrap
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import SyntheticData
 
@@ -172,7 +170,7 @@ def _order_of_events(distributed_optimizer: bool, on: bool) -> list:
         for h in handles:
             h.remove()
     del trainer
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     last = f"backward layer {len(layers) - 1}"
     start = len(events) - 1 - events[::-1].index(last)  # the last micro-batch's backward
     return events[start:]
