@@ -83,7 +83,6 @@ def build_model(run: RunConfig, dtype: Optional[torch.dtype] = None):
 def train_and_save(run: RunConfig, root: str, tokenizer: str) -> str:
     """One step of ``run``, then a checkpoint in ``root`` carrying the ``tokenizer`` file;
     returns its directory. Collective."""
-
     from depthmix.data.tokenizer import HFTokenizer
     from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer

@@ -92,7 +92,6 @@ def _logits_and_loss(ckpt: str, parallel: dict):
 def _lean_evaluation(ckpt: str, dataset: str, tmp: str) -> dict:
     """depthmix-eval's evaluator at TP2 x PP2, then today's DDP-wrapped model evaluated
     alike: their loss and the tensor bytes each added, next to the weights' bytes."""
-
     from depthmix.checkpoint.distributed import load
     from depthmix.evaluate.job import compose_job
     from depthmix.evaluate.perplexity import Evaluator

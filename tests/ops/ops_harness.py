@@ -94,7 +94,6 @@ def make_run(steps: int = 6, **parallel):
 def train(run, callbacks=(), data=SyntheticData) -> tuple:
     """Build a Trainer (synthetic data at the restored position), train, tear down
     Megatron's parallel state. Returns (recorded steps, trainer facts)."""
-
     from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer
 
