@@ -11,6 +11,11 @@ when a kernel spills or asks for more shared memory than its architecture has.
 
     python tools/kernel_report.py                      # everything (about 2 min on 2 cores)
     python tools/kernel_report.py --first-variants     # each kernel and config once (~50 s)
+    python tools/kernel_report.py --fresh              # compile all, not reading the cache
+
+A kernel whose Triton cache key is unchanged since an earlier report (same source and
+callees, config, Triton and ptxas) is read from the report cache, not compiled again
+(``gpu_report.report_cache_dir()``).
     python tools/kernel_report.py --ops mhc --archs 90 --json mhc.json
     python tools/kernel_report.py --roofline           # floors only (no compiling)
 """
@@ -108,6 +113,8 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--first-variants", action="store_true",
                         help="each kernel and config at its first benchmark variant only")
+    parser.add_argument("--fresh", action="store_true",
+                        help="compile every kernel, reading nothing from the report cache")
     parser.add_argument("--roofline", action="store_true", help="the floors only")
     parser.add_argument("--json", help="also write the compile rows here")
     args = parser.parse_args(argv)
@@ -118,10 +125,11 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         only = gpu_report.first_variants(ops) if args.first_variants else None
         rows = gpu_report.compile_report(ops, [int(a) for a in args.archs.split(",")],
-                                         args.jobs, only)
+                                         args.jobs, only, fresh=args.fresh or None)
         versions = ", ".join(f"{k} {v}" for k, v in gpu_report.tool_versions().items())
-        print(f"{len(rows)} kernels compiled in {time.perf_counter() - start:.0f} s "
-              f"({args.jobs} processes; {versions})\n")
+        cached = sum(r.cached for r in rows)
+        print(f"{len(rows) - cached} kernels compiled, {cached} read from the report cache, "
+              f"in {time.perf_counter() - start:.0f} s ({args.jobs} processes; {versions})\n")
         print(compile_table(rows) + "\n")
         problems = [f"{r.kernel} [{r.variant}; {r.config}] {r.arch}: {p}"
                     for r in rows for p in r.problems()]

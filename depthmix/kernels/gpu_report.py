@@ -13,9 +13,14 @@ that differ only in runtime arguments (another ``T``) compile once; the first be
 shape that made them names them.
 
 Each launch is compiled by ``triton.compile`` for ``GPUTarget("cuda", 80 | 90, 32)`` (no
-driver involved), with Triton's cache bypassed so that ptxas really runs; Triton calls
-``ptxas -v``, and its log gives registers per thread, spill stores / loads and the stack
-frame. ``metadata.shared`` is the shared memory the kernel asks for at launch.
+driver involved); Triton calls ``ptxas -v``, and its log gives registers per thread, spill
+stores / loads and the stack frame. ``metadata.shared`` is the shared memory the kernel
+asks for at launch. The compiles go to a Triton cache of the report's own
+(:func:`report_cache_dir`), with ptxas's figures stored beside each kernel: a later report
+reads them instead of compiling again, as long as Triton's cache key is the same (the
+kernel's source and the functions it calls, signature, constexprs, options, target, Triton
+and ptxas versions, Triton's environment). ``fresh=True`` (``--fresh`` in the tool,
+``DEPTHMIX_KERNEL_REPORT_FRESH=1``) compiles everything again, reading and leaving nothing.
 
 Where this differs from a real launch: integers derived from the SM count (the persistent
 grids of attnres and mhc) see one SM (runtime arguments: only their divisibility
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import multiprocessing
 import os
 import re
@@ -203,6 +209,8 @@ class Usage:
     num_stages: int
     seconds: float = 0.0
     constexprs: Dict[str, str] = field(default_factory=dict)
+    cached: bool = False
+    """Read from the report cache (an earlier compile of the same key), not compiled now."""
 
     def problems(self) -> List[str]:
         """Why this kernel is not fit to run: spills, or a request above the limits."""
@@ -261,36 +269,80 @@ def _compile(launch: Launch, capability: int):
     return compiled, log.getvalue()
 
 
+_FIGURES = "depthmix-ptxas-v1.json"  # beside a compiled kernel in the report cache
+
+
 def compile_usage(launch: Launch, capability: int) -> Usage:
-    """Compiles ``launch`` for ``sm_<capability>`` (inside :func:`fresh_compiles`, or
-    ptxas may not run) and reads its resources."""
+    """Compiles ``launch`` for ``sm_<capability>`` and reads its resources, inside
+    :func:`fresh_compiles` or :func:`cached_compiles`: ptxas's figures of a kernel the cache
+    already holds are the ones stored beside it."""
+    from triton.runtime.cache import get_cache_manager
+
     start = time.perf_counter()
     compiled, log = _compile(launch, capability)
-    registers, stores, loads, stack = parse_ptxas_log(log)
+    cache = get_cache_manager(compiled.hash)
+    stored = None if log else cache.get_file(_FIGURES)
+    if log:  # ptxas ran
+        figures = parse_ptxas_log(log)
+        cache.put(json.dumps(figures), _FIGURES, binary=False)
+    elif stored is not None:
+        with open(stored) as f:
+            figures = tuple(json.load(f))
+    else:  # compiled by a report that stopped before storing the figures
+        with fresh_compiles():
+            compiled, log = _compile(launch, capability)
+        figures = parse_ptxas_log(log)
+        cache.put(json.dumps(figures), _FIGURES, binary=False)
+    registers, stores, loads, stack = figures
     constexprs = {k: str(v) for k, v in launch.kwargs.items()
                   if k not in ("num_warps", "num_stages")}
     return Usage(launch.op, launch.name, launch.variant, launch.config,
                  ARCHS[capability].name, registers, stores, loads, stack,
                  compiled.metadata.shared, launch.num_warps, launch.num_stages,
-                 time.perf_counter() - start, constexprs)
+                 time.perf_counter() - start, constexprs, cached=stored is not None)
+
+
+def report_cache_dir() -> str:
+    """Where the report's compiles and their ptxas figures stay between reports:
+    ``kernel-report`` in depthmix's cache directory (``$DEPTHMIX_CACHE_DIR``, else
+    ``~/.cache/depthmix``)."""
+    from depthmix.data.datasets import default_cache_dir
+
+    return os.path.join(default_cache_dir(), "kernel-report")
+
+
+@contextlib.contextmanager
+def _triton_cache(directory: str, always_compile: bool) -> Iterator[None]:
+    from triton import knobs
+
+    saved = (knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log, knobs.cache.dir)
+    knobs.compilation.always_compile = always_compile
+    knobs.nvidia.dump_ptxas_log = True  # a compile prints its ptxas log
+    knobs.cache.dir = directory
+    try:
+        yield
+    finally:
+        (knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log,
+         knobs.cache.dir) = saved
 
 
 @contextlib.contextmanager
 def fresh_compiles() -> Iterator[None]:
-    """Every compile runs ptxas and prints its log; nothing is read from or left in the
-    user's Triton cache."""
-    from triton import knobs
-
-    saved = (knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log, knobs.cache.dir)
+    """Every compile runs ptxas and prints its log; nothing is read from or left in any
+    cache."""
     with tempfile.TemporaryDirectory(prefix="kernel-report-") as cache:
-        knobs.compilation.always_compile = True
-        knobs.nvidia.dump_ptxas_log = True
-        knobs.cache.dir = cache
-        try:
+        with _triton_cache(cache, always_compile=True):
             yield
-        finally:
-            (knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log,
-             knobs.cache.dir) = saved
+
+
+@contextlib.contextmanager
+def cached_compiles(directory: Optional[str] = None) -> Iterator[None]:
+    """Compiles into the report cache (default :func:`report_cache_dir`), reading what it
+    holds: a kernel whose cache key is unchanged is not compiled again."""
+    directory = directory or report_cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    with _triton_cache(directory, always_compile=False):
+        yield
 
 
 _POOL_LAUNCHES: List[Launch] = []  # what forked workers index into
@@ -302,14 +354,18 @@ def _compile_task(task: Tuple[int, int]) -> Usage:
 
 
 def compile_report(ops: Sequence[str] = (), capabilities: Sequence[int] = (80, 90),
-                   jobs: int = 1, only: Optional[Callable[[Launch, int], bool]] = None
-                   ) -> List[Usage]:
+                   jobs: int = 1, only: Optional[Callable[[Launch, int], bool]] = None,
+                   fresh: Optional[bool] = None) -> List[Usage]:
     """Compiles every launch of ``ops`` for every capability (``only(launch, capability)``
-    picks a subset); ``jobs > 1`` compiles in that many forked processes."""
+    picks a subset); ``jobs > 1`` compiles in that many forked processes. Kernels the
+    report cache holds are read from it unless ``fresh`` (default:
+    ``DEPTHMIX_KERNEL_REPORT_FRESH=1``)."""
+    if fresh is None:
+        fresh = os.environ.get("DEPTHMIX_KERNEL_REPORT_FRESH") == "1"
     _POOL_LAUNCHES[:] = launches(ops)
     tasks = [(i, cap) for i, launch in enumerate(_POOL_LAUNCHES) for cap in capabilities
              if only is None or only(launch, cap)]
-    with fresh_compiles():
+    with fresh_compiles() if fresh else cached_compiles():
         if jobs <= 1:
             return [_compile_task(t) for t in tasks]
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:

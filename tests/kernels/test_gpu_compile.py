@@ -6,13 +6,18 @@ tuple-of-pointer arguments, casts).
 
 The compiles run in one subprocess without ``TRITON_INTERPRET`` (conftest sets it on CPU,
 and under it ``triton.jit`` builds interpreted functions), one at a time (the other core
-has the other xdist worker), with Triton's cache bypassed: every kernel in every config
-(autotune list after its prune, or the launcher's tile choice) at every benchmark variant
-on both architectures, 244 compiles in about 100 s of one core (then the attnres kernels
-once more through the tool's pool of two forked compilers, about a second).
-``DEPTHMIX_KERNEL_REPORT_QUICK=1`` compiles each kernel and config at its first variant
-only (88 compiles): a quicker look, not the same check (a later variant can need more
-registers than the first: up to 16 more in the depth_mix and moda kernels).
+has the other xdist worker): every kernel in every config (autotune list after its prune,
+or the launcher's tile choice) at every benchmark variant on both architectures, 244
+compiles in about 130 s of one core. They go through the report cache
+(``gpu_report.cached_compiles``): a later run compiles only the kernels whose Triton cache
+key changed (their source or a function they call, a config, Triton, ptxas) and reads the
+others' ptxas figures, a few seconds in all; ``DEPTHMIX_KERNEL_REPORT_FRESH=1`` compiles
+everything. What the cache returns is checked against fresh compiles each run: the attnres
+kernels once more, fresh, through the tool's pool of two forked compilers (about a second),
+and a spilling config compiled fresh. ``DEPTHMIX_KERNEL_REPORT_QUICK=1`` compiles each
+kernel and config at its first variant only (88 compiles): a quicker look, not the same
+check (a later variant can need more registers than the first: up to 16 more in the
+depth_mix and moda kernels).
 """
 
 from __future__ import annotations
@@ -46,12 +51,16 @@ spilling = next(l for l in R.launches(["depth_mix"]) if l.name == "depth_mix_bwd
 spilling.kwargs.update(BLOCK_T=32, num_warps=2)
 with R.fresh_compiles():
     probe = R.compile_usage(spilling, 90)
-# tools/kernel_report.py's pool (two forked compilers, for a moment): the same answers
-pool = R.compile_report(["attnres"], capabilities=(80,), jobs=2)
+# tools/kernel_report.py's pool (two forked compilers, for a moment), compiling afresh: the
+# same answers as the rows, cached or not
+pool = R.compile_report(["attnres"], capabilities=(80,), jobs=2, fresh=True)
+R.compile_report(["attnres"], capabilities=(80,), fresh=False)  # stored, if the rows were fresh
+again = R.compile_report(["attnres"], capabilities=(80,), fresh=False)  # read from the cache
 print("REPORT " + json.dumps({
     "rows": [dataclasses.asdict(r) for r in rows],
     "probe": dataclasses.asdict(probe),
     "pool": [dataclasses.asdict(r) for r in pool],
+    "again": [dataclasses.asdict(r) for r in again],
     "configs": sorted({(l.name, l.config) for l in R.launches()}),
 }))
 """
@@ -71,6 +80,7 @@ def report():
     out["rows"] = [Usage(**row) for row in out["rows"]]
     out["probe"] = Usage(**out["probe"])
     out["pool"] = [Usage(**row) for row in out["pool"]]
+    out["again"] = [Usage(**row) for row in out["again"]]
     return out
 
 
@@ -104,13 +114,25 @@ def test_a_spilling_config_is_caught(report):
     assert any("spills" in p for p in probe.problems())
 
 
-def test_a_pool_of_compilers_reports_what_one_process_does(report):
-    def usage(rows):
-        return sorted((r.kernel, r.config, r.registers, r.spill_stores, r.shared) for r in rows)
+def _figures(rows):
+    return sorted((r.kernel, r.variant, r.config, r.registers, r.spill_stores, r.spill_loads,
+                   r.stack, r.shared) for r in rows)
 
+
+def test_a_pool_of_fresh_compilers_reports_what_the_report_says(report):
+    """Two forked processes compiling afresh give the figures of the report's rows, which
+    came from the report cache when an earlier run had compiled the same kernels."""
     alone = [r for r in report["rows"] if r.op == "attnres" and r.arch == "sm_80"]
     assert len(report["pool"]) == len(alone) >= 2
-    assert usage(report["pool"]) == usage(alone)
+    assert not any(r.cached for r in report["pool"])
+    assert _figures(report["pool"]) == _figures(alone)
+
+
+def test_a_second_report_reads_the_cache(report):
+    again = report["again"]
+    assert again and all(r.cached for r in again)
+    assert _figures(again) == _figures(
+        [r for r in report["rows"] if r.op == "attnres" and r.arch == "sm_80"])
 
 
 def test_limits_trip_above_the_architecture():
