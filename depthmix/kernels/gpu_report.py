@@ -269,7 +269,7 @@ def _compile(launch: Launch, capability: int):
     return compiled, log.getvalue()
 
 
-_FIGURES = "depthmix-ptxas-v1.json"  # beside a compiled kernel in the report cache
+FIGURES_FILE = "depthmix-ptxas-v1.json"  # beside a compiled kernel in the report cache
 
 
 def compile_usage(launch: Launch, capability: int) -> Usage:
@@ -281,10 +281,10 @@ def compile_usage(launch: Launch, capability: int) -> Usage:
     start = time.perf_counter()
     compiled, log = _compile(launch, capability)
     cache = get_cache_manager(compiled.hash)
-    stored = None if log else cache.get_file(_FIGURES)
+    stored = None if log else cache.get_file(FIGURES_FILE)
     if log:  # ptxas ran
         figures = parse_ptxas_log(log)
-        cache.put(json.dumps(figures), _FIGURES, binary=False)
+        cache.put(json.dumps(figures), FIGURES_FILE, binary=False)
     elif stored is not None:
         with open(stored) as f:
             figures = tuple(json.load(f))
@@ -292,7 +292,7 @@ def compile_usage(launch: Launch, capability: int) -> Usage:
         with fresh_compiles():
             compiled, log = _compile(launch, capability)
         figures = parse_ptxas_log(log)
-        cache.put(json.dumps(figures), _FIGURES, binary=False)
+        cache.put(json.dumps(figures), FIGURES_FILE, binary=False)
     registers, stores, loads, stack = figures
     constexprs = {k: str(v) for k, v in launch.kwargs.items()
                   if k not in ("num_warps", "num_stages")}
