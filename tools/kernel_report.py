@@ -12,12 +12,12 @@ when a kernel spills or asks for more shared memory than its architecture has.
     python tools/kernel_report.py                      # everything (about 2 min on 2 cores)
     python tools/kernel_report.py --first-variants     # each kernel and config once (~50 s)
     python tools/kernel_report.py --fresh              # compile all, not reading the cache
+    python tools/kernel_report.py --ops mhc --archs 90 --json mhc.json
+    python tools/kernel_report.py --roofline           # floors only (no compiling)
 
 A kernel whose Triton cache key is unchanged since an earlier report (same source and
 callees, config, Triton and ptxas) is read from the report cache, not compiled again
 (``gpu_report.report_cache_dir()``).
-    python tools/kernel_report.py --ops mhc --archs 90 --json mhc.json
-    python tools/kernel_report.py --roofline           # floors only (no compiling)
 """
 
 from __future__ import annotations

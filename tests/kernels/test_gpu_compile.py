@@ -58,8 +58,10 @@ R.compile_report(["attnres"], capabilities=(80,), fresh=False)  # stored, if the
 again = R.compile_report(["attnres"], capabilities=(80,), fresh=False)  # read from the cache
 # a report stopped between a compile and storing its figures: the next compiles it again
 for figures in glob.glob(os.path.join(R.report_cache_dir(), "*", R.FIGURES_FILE)):
-    if glob.glob(os.path.join(os.path.dirname(figures), "attnres_*.cubin")):
-        os.remove(figures)
+    for meta in glob.glob(os.path.join(os.path.dirname(figures), "attnres_*_kernel.json")):
+        with open(meta) as f:
+            if json.load(f)["target"]["arch"] == 80:
+                os.remove(figures)
 recovered = R.compile_report(["attnres"], capabilities=(80,), fresh=False)
 print("REPORT " + json.dumps({
     "rows": [dataclasses.asdict(r) for r in rows],
