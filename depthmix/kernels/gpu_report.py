@@ -282,15 +282,13 @@ def compile_usage(launch: Launch, capability: int) -> Usage:
     compiled, log = _compile(launch, capability)
     cache = get_cache_manager(compiled.hash)
     stored = None if log else cache.get_file(FIGURES_FILE)
-    if log:  # ptxas ran
-        figures = parse_ptxas_log(log)
-        cache.put(json.dumps(figures), FIGURES_FILE, binary=False)
-    elif stored is not None:
+    if stored is not None:
         with open(stored) as f:
             figures = tuple(json.load(f))
-    else:  # compiled by a report that stopped before storing the figures
-        with fresh_compiles():
-            compiled, log = _compile(launch, capability)
+    else:
+        if not log:  # cached by a report that stopped before storing the figures
+            with fresh_compiles():
+                compiled, log = _compile(launch, capability)
         figures = parse_ptxas_log(log)
         cache.put(json.dumps(figures), FIGURES_FILE, binary=False)
     registers, stores, loads, stack = figures
