@@ -171,7 +171,7 @@ def gather_full(model, which: str = "grad") -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from depthmix.pretrain.parallelize import unwrap
+    from depthmix.megatron_ext.model import unwrap
 
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -258,7 +258,8 @@ def _train_runs(runs: list, steps: int, mode: str) -> list:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from depthmix.pretrain.parallelize import destroy_model_parallel, unwrap
+    from depthmix.megatron_ext.model import unwrap
+    from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer
 
     results = []

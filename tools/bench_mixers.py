@@ -165,7 +165,7 @@ def time_forward_backward(models, batch, steps: int, warmup: int) -> dict:
 
 
 def print_peers(vanilla_trainer, args) -> None:
-    from depthmix.pretrain.parallelize import unwrap
+    from depthmix.megatron_ext.model import unwrap
 
     run = vanilla_trainer.run
     ours = unwrap(vanilla_trainer.model[0])

@@ -2,7 +2,7 @@
 exit status (:mod:`depthmix.runtime.exit_codes`); a configuration error, a typo'd option
 (with the closest valid name) or a missing input path ends it with one line on stderr and
 status 2, checked before torch or Megatron is imported (:func:`require_path`,
-:class:`ArgumentParser`, :func:`hydra_points`); the libraries' notices stay off the console
+:class:`ArgumentParser`, :func:`depthmix.cli.overrides.hydra_points`); the libraries' notices stay off the console
 (:func:`quiet_libraries`); every ``--help`` lists the exit statuses."""
 
 from __future__ import annotations
@@ -180,25 +180,20 @@ def quiet_libraries(verbose: bool = False) -> Iterator[None]:
         yield
 
 
-def hydra_points(argv: Sequence[str], config_name: str) -> Optional[List]:
-    """Compose every point of a Hydra command's overrides before Hydra runs (an unknown
-    key, group choice or bad value: a :class:`ConfigError` with the closest valid names,
-    :func:`depthmix.cli.overrides.compose_points`); None for Hydra's own modes
-    (``--hydra-help``, ``--info``, ...)."""
-    from hydra._internal.utils import get_args_parser
-
-    from depthmix.cli.overrides import compose_points
-
-    args = get_args_parser().parse_args(list(argv))
-    if (args.hydra_help or args.shell_completion or args.config_dir or args.config_path
-            or args.experimental_rerun or args.info or args.cfg):
-        return None
-    return compose_points(args.overrides, args.multirun, args.config_name or config_name)
-
-
 def hydra_quote(value: str) -> str:
     """``value`` as a quoted Hydra override value (paths may hold ``=``, ``,``, ``[``)."""
     return "'" + value.replace("'", "\\'") + "'"
+
+
+_collecting_statuses = False
+
+
+def collect_statuses(on: bool) -> None:
+    """While on, a :class:`HydraTask`'s non-zero status is returned to Hydra instead of ending
+    the process: a local multirun's summary callback (:class:`depthmix.cli.sweep.
+    SweepSummaryCallback`) records it and the next point runs."""
+    global _collecting_statuses
+    _collecting_statuses = on
 
 
 class HydraTask:
@@ -206,7 +201,7 @@ class HydraTask:
 
     Hydra ignores what a task returns, so a non-zero status ends the process here, except
     in a local multirun, whose summary callback collects the statuses and exits with the
-    worst after the last point (:func:`depthmix.cli.sweep.collecting`). Hydra's
+    worst after the last point (:func:`collect_statuses`). Hydra's
     SLURM launcher (submitit) pickles the task into each job, where it is unpickled before
     Hydra resolves the job's output directory: unpickling registers the ``dm.*`` resolvers
     that directory needs (:func:`depthmix.runtime.env.register_resolvers`)."""
@@ -216,10 +211,8 @@ class HydraTask:
         functools.update_wrapper(self, task)  # Hydra names the job after the task's module
 
     def __call__(self, cfg) -> Optional[int]:
-        from depthmix.cli.sweep import collecting
-
         status = self.task(cfg)
-        if status and collecting():  # the sweep's summary reports it; the next point runs
+        if status and _collecting_statuses:  # the sweep's summary reports it; the next point runs
             return status
         if status:
             sys.exit(status)

@@ -28,7 +28,6 @@ from omegaconf import DictConfig
 from depthmix.cli.command import (
     HydraTask,
     command,
-    hydra_points,
     hydra_quote,
     quiet_libraries,
     require_checkpoint,
@@ -105,6 +104,7 @@ def placement(cfg: DictConfig, checkpoint: str, argv) -> list:
 
 @command
 def main() -> Optional[int]:
+    from depthmix.cli.overrides import hydra_points
     from depthmix.cli.train import _nonzero_rank_overrides
 
     argv = sys.argv[1:]

@@ -341,6 +341,19 @@ def compose_points(overrides: Sequence[str], multirun: bool = False,
         return points
 
 
+def hydra_points(argv: Sequence[str], config_name: str) -> Optional[List[Point]]:
+    """Compose every point of a Hydra command's overrides before Hydra runs (an unknown
+    key, group choice or bad value: a :class:`ConfigError` with the closest valid names,
+    :func:`compose_points`); None for Hydra's own modes (``--hydra-help``, ``--info``, ...)."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(list(argv))
+    if (args.hydra_help or args.shell_completion or args.config_dir or args.config_path
+            or args.experimental_rerun or args.info or args.cfg):
+        return None
+    return compose_points(args.overrides, args.multirun, args.config_name or config_name)
+
+
 def dry_run_verdict(run, label: str, world_size: Optional[int] = None) -> int:
     """One line for one point of a multirun dry run: ``[ok] <label>`` or
     ``[error] <label>: <what to change>``. Returns the exit status of that point."""
@@ -386,8 +399,6 @@ def before_hydra(argv: Sequence[str]) -> Optional[int]:
         points = compose_points(overrides, multirun="-m" in argv or "--multirun" in argv)
         print(help_text(points[0].cfg, overrides))
         return exit_codes.OK
-    from depthmix.cli.command import hydra_points
-
     points = hydra_points(argv, "config")  # None: Hydra's own modes
     multirun = "-m" in argv or "--multirun" in argv
     if multirun and points and all(p.cfg.train.dry_run for p in points):

@@ -21,7 +21,7 @@ import shlex
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from depthmix.cli.command import argument_parser, command
+from depthmix.cli.command import argument_parser, collect_statuses, command
 from depthmix.config.schema import ConfigError
 from depthmix.config.sweep import RESULT_FILE, swept_keys, varying
 from depthmix.runtime import exit_codes
@@ -134,27 +134,17 @@ except ImportError:  # Hydra is a dependency; this keeps the module importable w
     _HydraCallback = object
 
 
-_collecting: Optional["SweepSummaryCallback"] = None
-
-
-def collecting() -> bool:
-    """A local multirun with the summary callback is running in this process: a job's
-    non-zero status is recorded for the summary and the sweep's exit status instead of
-    ending the process before the other points ran (:class:`depthmix.cli.command.HydraTask`)."""
-    return _collecting is not None
-
-
 class SweepSummaryCallback(_HydraCallback):
     """Hydra callback: after the last job of a multirun, the table on the console and the
     files in the sweep directory; a local multirun then exits with its worst job's status."""
 
     def __init__(self):
         self.statuses: Dict[str, int] = {}
+        self.local = False  # the jobs run in this process, one after another
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        global _collecting
-        if "BasicLauncher" in str(config.hydra.launcher.get("_target_", "")):
-            _collecting = self  # jobs run here, one after another
+        self.local = "BasicLauncher" in str(config.hydra.launcher.get("_target_", ""))
+        collect_statuses(self.local)  # a job's non-zero status comes here, not sys.exit
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         from hydra.core.utils import JobStatus
@@ -164,12 +154,11 @@ class SweepSummaryCallback(_HydraCallback):
             self.statuses[out] = exit_codes.CRASH
         elif isinstance(job_return.return_value, int):
             self.statuses[out] = job_return.return_value
-        if _collecting is self:  # kept current: a crashed point ends the sweep before its end
+        if self.local:  # kept current: a crashed point ends the sweep before its end
             write(str(config.hydra.sweep.dir), self.statuses)
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        global _collecting
-        _collecting = None
+        collect_statuses(False)
         sweep_dir = str(config.hydra.sweep.dir)
         if os.path.isdir(sweep_dir) and job_dirs(sweep_dir):
             print(write(sweep_dir, self.statuses), flush=True)

@@ -279,3 +279,10 @@ class DepthMixModel(LanguageModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)  # [b, s]
+
+
+def unwrap(module) -> DepthMixModel:
+    """The ``DepthMixModel`` inside DDP / Float16Module wrappers."""
+    while not isinstance(module, DepthMixModel):
+        module = module.module
+    return module

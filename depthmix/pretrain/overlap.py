@@ -31,6 +31,7 @@ from typing import List, Optional
 from megatron.core.distributed import DistributedDataParallelConfig
 
 from depthmix.config.schema import Overlap, overlap_at
+from depthmix.megatron_ext.model import unwrap
 
 
 def settings(parallel, dp: int) -> Overlap:
@@ -97,8 +98,6 @@ def _gather_before_each_layer(chunk) -> None:
     own modules run: the first thing a later pipeline stage computes), so each decoder layer
     and each top-level part of the model also waits, before it runs, for the buckets of all
     the parameters it holds. Overlap stays at layer granularity."""
-    from depthmix.pretrain.parallelize import unwrap
-
     inner = unwrap(chunk)
     units = [*inner.decoder.layers, *(m for m in inner.children() if m is not inner.decoder)]
     for unit in units:

@@ -146,10 +146,3 @@ def build_model(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module]
                                 disable_bucketing=i > 0)
         for i, m in enumerate(chunks)
     ]
-
-
-def unwrap(module) -> DepthMixModel:
-    """The ``DepthMixModel`` inside DDP / Float16Module wrappers."""
-    while not isinstance(module, DepthMixModel):
-        module = module.module
-    return module

@@ -12,8 +12,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from depthmix.planning.flops import Throughput
+from depthmix.megatron_ext.model import unwrap
 from depthmix.pretrain import overlap
-from depthmix.pretrain.parallelize import unwrap
 
 Batch = Dict[str, torch.Tensor]
 

@@ -56,11 +56,11 @@ def _logits_and_loss(ckpt: str, parallel: dict):
     from depthmix.checkpoint.record import run_from_record
     from depthmix.checkpoint.store import find_checkpoint, read_meta
     from depthmix.megatron_ext.config import to_transformer_config
+    from depthmix.megatron_ext.model import unwrap
     from depthmix.pretrain.parallelize import (
         build_chunks,
         destroy_model_parallel,
         init_distributed,
-        unwrap,
     )
     from depthmix.pretrain.step import eval_step
 

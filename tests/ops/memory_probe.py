@@ -67,7 +67,7 @@ def probe_one(run) -> dict:
     """One training step of ``run`` on this rank; what it held."""
     from megatron.core import parallel_state as ps
 
-    from depthmix.pretrain.parallelize import unwrap
+    from depthmix.megatron_ext.model import unwrap
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import _DataForRank
 

@@ -14,7 +14,7 @@ import torch
 from depthmix.checkpoint import integrity, store
 from depthmix.config.schema import ConfigError
 from depthmix.pretrain.callbacks import CheckpointCallback
-from depthmix.pretrain.parallelize import unwrap
+from depthmix.megatron_ext.model import unwrap
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData, tiny_run
 

@@ -253,7 +253,7 @@ def _two_ranks() -> dict:
     stage): every rank must take the same decision at the same step."""
     import hashlib
 
-    from depthmix.pretrain.parallelize import unwrap
+    from depthmix.megatron_ext.model import unwrap
 
     out = {}
     for name, parallel in (("dp2", {}), ("pp2", {"pp": 2})):

@@ -48,7 +48,7 @@ def overlap(parallel: dict, on: bool) -> dict:
 
 
 def _weights_digest(model) -> str:
-    from depthmix.pretrain.parallelize import unwrap
+    from depthmix.megatron_ext.model import unwrap
 
     flat = torch.cat([p.detach().flatten() for chunk in model for p in unwrap(chunk).parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
@@ -131,7 +131,8 @@ def _order_of_events(distributed_optimizer: bool, on: bool) -> list:
     in the order they happened on this rank, for the last micro-batch."""
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
-    from depthmix.pretrain.parallelize import destroy_model_parallel, unwrap
+    from depthmix.megatron_ext.model import unwrap
+    from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import SyntheticData
 
