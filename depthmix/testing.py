@@ -1,6 +1,8 @@
 """Helpers for tests and benchmarks: tiny configs, an in-process single-rank Megatron and
-runs in spawned rank processes. Callers install :mod:`depthmix.runtime` first (the test
-harness, ``tests/conftest.py``, does; :func:`spawn`'s ranks do it themselves)."""
+runs in spawned rank processes. The ones that build (:func:`init_single_process`,
+:func:`build_model`, :func:`train_and_save`) install :mod:`depthmix.runtime` when nothing
+has (:func:`depthmix.runtime.entry_point`; the test harness, ``tests/conftest.py``, holds it
+for the session; :func:`spawn`'s ranks install it themselves)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from depthmix.config.schema import RunConfig
 from depthmix.runtime.env import free_port
 
 
+@runtime.entry_point
 def init_single_process(seed: int = 1234) -> None:
     """World size 1 with gloo and Megatron's parallel state at TP=PP=1 (idempotent)."""
     import torch.distributed as dist
@@ -68,6 +71,7 @@ def variant_run(mixer: str, variant) -> RunConfig:
     return run
 
 
+@runtime.entry_point
 def build_model(run: RunConfig, dtype: Optional[torch.dtype] = None):
     """Build the whole model on one rank (call :func:`init_single_process` first)."""
     from depthmix.megatron_ext.config import to_transformer_config
@@ -79,6 +83,7 @@ def build_model(run: RunConfig, dtype: Optional[torch.dtype] = None):
     return model.to(dtype) if dtype is not None else model
 
 
+@runtime.entry_point
 @torch.no_grad()
 def train_and_save(run: RunConfig, root: str, tokenizer: str) -> str:
     """One step of ``run``, then a checkpoint in ``root`` carrying the ``tokenizer`` file;

@@ -27,6 +27,13 @@ and gradient norm were finite) and settled by the next step (:func:`settle_healt
 ``confirmed`` when it is finite, demoted to unhealthy when it is not (its weights gave
 NaN/inf). A checkpoint without a mark counts as healthy and confirmed.
 
+**Which directory a path names** (:func:`checkpoint_dir`): every command that takes a
+checkpoint (``eval.checkpoint``, ``depthmix-generate``, ``depthmix-export``,
+``train.load_dir``) takes one ``iter_*`` directory, a save directory, or the output
+directory of a training run or of ``depthmix-import`` (its ``checkpoints/``). A directory
+that is none of these is refused naming the closest checkpoint directory below it
+(:func:`no_checkpoint_error`).
+
 **Which checkpoint a resume uses** (:func:`resume_candidates`): the tracker's step (a
 missing or unreadable tracker: the newest complete ``iter_*``, with a warning), preferring
 the newest healthy checkpoint at or below it. Its model record must match the run
@@ -52,6 +59,9 @@ log = logging.getLogger("depthmix")
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "depthmix.json"
 TOKENIZER = "tokenizer.json"
+RUN_SUBDIR = "checkpoints"
+"""The save directory in a run's output directory (:func:`default_save_dir`) and in an
+import's (``depthmix-import``)."""
 RUN_ID_FILE = "wandb_run_id.txt"
 GROUP_FILE = "wandb_group.txt"
 FORMAT_VERSION = 1
@@ -74,7 +84,7 @@ def tmp_dir(root: str, step: int) -> str:
 
 
 def default_save_dir(run) -> str:
-    return run.train.save_dir or os.path.join(run.output_dir, "checkpoints")
+    return run.train.save_dir or os.path.join(run.output_dir, RUN_SUBDIR)
 
 
 def is_complete(path: str) -> bool:
@@ -158,16 +168,85 @@ def latest_checkpoint(root: Optional[str]) -> Optional[str]:
     return path
 
 
+def holds_checkpoints(path: str) -> bool:
+    """``path`` is one complete checkpoint or a save directory (a tracker or a complete
+    ``iter_*`` directory in it)."""
+    return os.path.isdir(path) and (is_complete(path) or bool(list_checkpoints(path))
+                                    or os.path.isfile(os.path.join(path, TRACKER)))
+
+
+def checkpoint_dir(path: Optional[str]) -> Optional[str]:
+    """The checkpoint directory a user's ``path`` names: ``path`` itself when it is one
+    checkpoint or a save directory, else its ``checkpoints/`` when that is one (the output
+    directory of a training run or of ``depthmix-import``); None when neither is."""
+    if not path:
+        return None
+    for candidate in (path, os.path.join(path, RUN_SUBDIR)):
+        if holds_checkpoints(candidate):
+            return candidate
+    return None
+
+
+def closest_checkpoint_dir(path: str, max_depth: int = 6,
+                           max_dirs: int = 5000) -> Optional[str]:
+    """The checkpoint directory nearest below ``path`` (fewest levels down; of those the
+    most recently modified), or None within ``max_depth`` levels and ``max_dirs``
+    directories (a hint for a wrong path, not a search of the disk). Hidden directories
+    (``.tmp_*``, ``.trash_*``) are skipped; symbolic links are followed once."""
+    level, seen = [path], {os.path.realpath(path)}
+    for _ in range(max_depth):
+        found, below = [], []
+        for parent in level:
+            try:
+                entries = sorted(os.scandir(parent), key=lambda e: e.name)
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    if entry.name.startswith(".") or not entry.is_dir():
+                        continue
+                except OSError:
+                    continue
+                real = os.path.realpath(entry.path)
+                if real in seen or len(seen) >= max_dirs:
+                    continue
+                seen.add(real)
+                (found if holds_checkpoints(entry.path) else below).append(entry.path)
+        if found:
+            return max(found, key=_mtime)
+        level = below
+    return None
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def no_checkpoint_error(path: str, option: str) -> ConfigError:
+    """What a directory without a checkpoint is told: what was looked for, and the closest
+    checkpoint directory below it."""
+    closest = closest_checkpoint_dir(path)
+    hint = (f"; the closest checkpoint directory below it: {option}={closest}" if closest
+            else "; there is none below it either")
+    return ConfigError(f"{option}={path} holds no checkpoint (looked for {TRACKER}, "
+                       f"a complete iter_* directory or {META}, in it and in its "
+                       f"{RUN_SUBDIR}/){hint}")
+
+
 def find_checkpoint(path: str, option: str = "checkpoint") -> str:
-    """The complete checkpoint ``path`` names (a save dir -> its latest, or one ``iter_*``
-    directory) for evaluation, generation and export; a :class:`ConfigError` naming
-    ``option`` when there is none or it holds no model record."""
+    """The complete checkpoint ``path`` names for evaluation, generation and export: a
+    save directory's latest, one ``iter_*`` directory, or the latest in the ``checkpoints/``
+    of a training run's or an import's output directory (:func:`checkpoint_dir`); a
+    :class:`ConfigError` naming ``option`` when there is none (with the closest checkpoint
+    directory below ``path``) or it holds no model record."""
     if not path or not os.path.exists(path):
         raise ConfigError(f"{option}={path}: no such directory")
-    found = latest_checkpoint(path)
+    found = latest_checkpoint(checkpoint_dir(path))
     if found is None:
-        raise ConfigError(f"{option}={path} holds no complete checkpoint "
-                          f"(no {TRACKER} or {META})")
+        raise no_checkpoint_error(path, option)
     if "record" not in read_meta(found):
         raise ConfigError(f"{option}={found} predates model records in checkpoints "
                           f"({META} has no 'record'); re-save it with this version")
@@ -375,19 +454,21 @@ def resume_source(run, save_dir: str, warn: bool = True) -> Optional[tuple]:
     """Where a run starts from: ``(candidates, weights_only, option)`` or None (fresh).
 
     The save directory's checkpoints if there are any (this run's own progress: a requeued
-    or re-run job continues, loading everything), else ``train.load_dir``'s (it must hold a
-    checkpoint; ``train.load_weights_only=true`` takes only its weights). ``candidates`` as
-    :func:`resume_candidates` orders them; ``option`` names where they came from."""
+    or re-run job continues, loading everything), else ``train.load_dir``'s (it must name a
+    checkpoint, :func:`checkpoint_dir`; ``train.load_weights_only=true`` takes only its
+    weights). ``candidates`` as :func:`resume_candidates` orders them; ``option`` names
+    where they came from."""
     t = run.train
     candidates = resume_candidates(save_dir, warn=warn)
     if candidates:
         return candidates, False, f"train.save_dir={save_dir}"
     if not t.load_dir:
         return None
-    candidates = resume_candidates(t.load_dir, warn=warn)
+    if not os.path.isdir(t.load_dir):
+        raise ConfigError(f"train.load_dir={t.load_dir}: no such directory")
+    candidates = resume_candidates(checkpoint_dir(t.load_dir), warn=warn)
     if not candidates:
-        raise ConfigError(f"train.load_dir={t.load_dir} holds no checkpoint "
-                          f"(no {TRACKER}, no complete iter_* directory and no {META})")
+        raise no_checkpoint_error(t.load_dir, "train.load_dir")
     return candidates, t.load_weights_only, "train.load_dir"
 
 

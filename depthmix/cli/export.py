@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argument_parser(
         "depthmix-export", "Export a depthmix checkpoint (vanilla or depth_attn, any TP/PP "
                            "layout) to a Hugging Face transformers model directory.")
-    p.add_argument("checkpoint", help="a save directory (its latest checkpoint) or one iter_* dir")
+    p.add_argument("checkpoint", help="a save directory (its latest checkpoint), one iter_* "
+                                      "dir, or a training run's or an import's output dir")
     p.add_argument("out_dir", help="directory to write config.json, model.safetensors, "
                                    "tokenizer files (and remote code for depth_attn)")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,

@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
               "layout) on one process, with the KV cache.",
         f"example: {PROG} outputs/.../checkpoints -p 'Once upon a time' -n 40 "
         "--temperature 0.8 --top-p 0.95")
-    p.add_argument("checkpoint", help="a save directory (its latest checkpoint) or one "
-                                      "iter_* checkpoint directory")
+    p.add_argument("checkpoint", help="a save directory (its latest checkpoint), one "
+                                      "iter_* checkpoint directory, or a training run's or "
+                                      "an import's output directory")
     p.add_argument("-p", "--prompt", action="append", default=[],
                    help="a prompt (repeatable; with --prompts-file too: these come first)")
     p.add_argument("-f", "--prompts-file",

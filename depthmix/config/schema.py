@@ -207,8 +207,9 @@ class TrainConfig:
     save_dir: Optional[str] = None
     """Where checkpoints go; default ``<output_dir>/checkpoints``."""
     load_dir: Optional[str] = None
-    """Resume from this directory (its latest checkpoint) or one ``iter_*`` checkpoint;
-    default: ``save_dir`` when it holds a checkpoint, else start fresh."""
+    """Resume from this directory (its latest checkpoint), one ``iter_*`` checkpoint, or a
+    training run's or an import's output directory (its ``checkpoints/``); default:
+    ``save_dir`` when it holds a checkpoint, else start fresh."""
     keep_last: int = 2
     """Keep the newest N checkpoints (0 = keep all)."""
     load_weights_only: bool = False
@@ -329,9 +330,10 @@ class EvalConfig:
     """``depthmix-eval``: what to evaluate and where the results go (``eval.*``)."""
 
     checkpoint: Optional[str] = None
-    """A checkpoint directory: a ``train.save_dir`` (its latest checkpoint) or one
-    ``iter_*`` directory. Required. Its model and mixer configuration are used; any
-    ``model=``/``mixer=`` option also given must agree with it."""
+    """A checkpoint directory: a ``train.save_dir`` (its latest checkpoint), one ``iter_*``
+    directory, or a training run's or an import's output directory. Required. Its model
+    and mixer configuration are used; any ``model=``/``mixer=`` option also given must
+    agree with it."""
     datasets: Any = None
     """Name -> Megatron data prefix (``path/to/doc`` for ``doc.bin/.idx``), e.g.
     ``{pile_val: /data/pile/val_text_document}``; each is evaluated over its whole token

@@ -47,6 +47,7 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from depthmix import runtime
 from depthmix.config.schema import ConfigError
 from depthmix.data.tokenizer import HFTokenizer
 
@@ -72,8 +73,9 @@ class DepthmixLM(TemplateLM):
     """A depthmix model for lm-eval.
 
     Args:
-        checkpoint: a save directory (its latest checkpoint) or one ``iter_*`` directory;
-            loaded with :func:`~depthmix.inference.load.load_model`.
+        checkpoint: a save directory (its latest checkpoint), one ``iter_*`` directory or
+            a training run's or an import's output directory; loaded with
+            :func:`~depthmix.inference.load.load_model`.
         model: instead of ``checkpoint``, a :class:`~depthmix.inference.load.LoadedModel`
             or a ``(model, tokenizer)`` pair (tokenizer: an ``HFTokenizer`` or its path).
         tokenizer: a tokenizers JSON file (default: the checkpoint's ``tokenizer.json``).
@@ -88,6 +90,7 @@ class DepthmixLM(TemplateLM):
             tokenizer)`` pair keeps all of the model's logits).
     """
 
+    @runtime.entry_point
     def __init__(self, checkpoint: Optional[str] = None, model=None,
                  tokenizer: Union[None, str, HFTokenizer] = None, batch_size: Union[int, str] = 1,
                  max_length: Optional[int] = None, max_gen_toks: int = 256, impl: str = "auto",
@@ -151,18 +154,20 @@ class DepthmixLM(TemplateLM):
         return self.tok.decode(list(tokens))
 
     def _encode_pair(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:
-        """lm-eval's causal split (encode the whole text, the continuation is what follows
-        the context's tokens), except where the continuation falls inside the context's
-        last token (``"...went to sl"`` + ``"eep"`` -> ``sleep``): lm-eval's would be empty
-        (its ``hf`` model asserts on it, aborting the evaluation); here the last token
-        moves into the continuation, so the token that completes the text is scored."""
-        stripped = context.rstrip()  # trailing spaces belong to the continuation (lm-eval)
+        """lm-eval's causal split, exactly: the context's own tokens, and as continuation
+        the whole text's tokens past as many (``"...went to sl"`` + ``"ept"``: ``t`` is
+        scored after the context's ``Ġs``, ``l``, not after the whole text's ``Ġsle``,
+        ``p``). Only where that continuation is empty (``"...went to sl"`` + ``"eep"`` ->
+        one token ``sleep``: lm-eval's ``hf`` model asserts, aborting the evaluation) does
+        the whole text's last token become the continuation, after the tokens before it."""
+        context_enc, continuation_enc = super()._encode_pair(context, continuation)
+        if continuation_enc:
+            return context_enc, continuation_enc
         whole = self.tok_encode(context + continuation)
         if not whole:
             raise ValueError(f"the loglikelihood request (context {context!r}, continuation "
                              f"{continuation!r}) tokenizes to nothing")
-        cut = min(len(self.tok_encode(stripped)), len(whole) - 1)
-        return whole[:cut] or [self.prefix_token_id], whole[cut:]
+        return whole[:-1] or [self.prefix_token_id], whole[-1:]
 
     def get_model_info(self) -> dict:
         return {"depthmix_checkpoint": self.checkpoint, "depthmix_mixer": self.mixer}
@@ -306,6 +311,7 @@ def check_task_names(manager, tasks: Sequence[str], option: str = "eval.tasks") 
                           "`lm_eval ls tasks` lists them all")
 
 
+@runtime.entry_point
 def evaluate_tasks(loaded, tasks: Sequence[str], num_fewshot: Optional[int] = None,
                    batch_size: int = 1, limit: Optional[float] = None, include_path=None,
                    include_defaults: bool = True, **simple_evaluate_kwargs) -> dict:
@@ -340,8 +346,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     task groups on the include path: ``python -m depthmix.evaluate.harness --model depthmix
     --model_args checkpoint=DIR --tasks depth_attn_table1_0shot``."""
     from lm_eval.__main__ import cli_evaluate
-
-    from depthmix import runtime
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--include_path" not in argv and any(a.startswith("--tasks") for a in argv):

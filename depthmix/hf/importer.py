@@ -28,6 +28,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from depthmix import runtime
 from depthmix.config.schema import ConfigError, ModelConfig
 from depthmix.hf import architecture
 
@@ -160,10 +161,10 @@ def run_config(model: ModelConfig, precision: str, output_dir: str = "."):
     return run
 
 
+@runtime.entry_point
 def write(job: ImportJob) -> str:
     """Build the model, copy the weights in, save the checkpoint, the preset and the
-    tokenizer into ``job.out``; returns the checkpoint's path. Needs
-    :func:`depthmix.runtime.install` (the command does it)."""
+    tokenizer into ``job.out``; returns the checkpoint's path."""
     partial = f"{job.out}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     final_out, job.out = job.out, partial
@@ -266,10 +267,10 @@ def usage(job: ImportJob, checkpoint: str) -> str:
         f"model preset {job.preset}",
         *([f"tokenizer    {tok}"] if job.tokenizer else []),
         "evaluate:",
-        f"  depthmix-eval eval.checkpoint={job.checkpoints} "
+        f"  depthmix-eval eval.checkpoint={job.out} "
         "'eval.datasets={name: <prefix>}'",
         "continue pretraining with a depth mixer (weights only: fresh optimizer and step):",
         f"  depthmix-train 'hydra.searchpath=[file://{os.path.join(job.out, 'configs')}]' "
-        f"model={job.model.name} mixer=attnres_block train.load_dir={job.checkpoints} "
+        f"model={job.model.name} mixer=attnres_block train.load_dir={job.out} "
         f"train.load_weights_only=true{data}",
     ])

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from depthmix import runtime
 from depthmix.checkpoint.record import run_from_record
 from depthmix.checkpoint.store import find_checkpoint, read_meta, tokenizer_file
 from depthmix.config.schema import RunConfig
@@ -41,14 +42,17 @@ class LoadedModel:
         return self.run.model.vocab_size
 
 
+@runtime.entry_point
 def load_model(path: str, impl: str = "torch", dtype: Optional[torch.dtype] = None,
                device: Optional[torch.device] = None, option: str = "checkpoint") -> LoadedModel:
     """Load the checkpoint at ``path`` into a single-rank model.
 
-    ``impl``: the mixer's kernel choice (``torch``, ``triton`` or ``auto``). ``dtype``: cast
-    the weights after loading (default: the training precision). Initialises a world of
-    one process (gloo on CPU) when no process group exists; without CUDA that needs
-    :func:`depthmix.runtime.install` (the entry points and the test harness call it).
+    ``path``: one ``iter_*`` directory, a save directory (its latest checkpoint) or the
+    output directory of a training run or of ``depthmix-import``. ``impl``: the mixer's
+    kernel choice (``torch``, ``triton`` or ``auto``). ``dtype``: cast the weights after
+    loading (default: the training precision). Initialises a world of one process (gloo on
+    CPU) when no process group exists, and installs :mod:`depthmix.runtime` (the CPU shim,
+    ...) unless it is installed (:func:`depthmix.runtime.entry_point`).
     """
     from depthmix.checkpoint.distributed import load_whole_model
     from depthmix.megatron_ext.config import to_transformer_config

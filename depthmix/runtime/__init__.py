@@ -5,13 +5,19 @@ stream (:mod:`.log`), exit statuses (:mod:`.exit_codes`) and the process-global 
 Importing depthmix changes nothing global. The patches are applied only by :func:`install`,
 called by the entry points (:mod:`depthmix.cli`, ``tools/``) and the test harness, and
 taken back by :func:`uninstall` (or use :func:`installed` as a context manager). Nested
-installs count: only the outermost applies and undoes them.
+installs count: only the outermost applies and undoes them. The library functions a user
+calls from Python (``load_model``, ``DepthmixLM``, ``evaluate_tasks``, ...) are marked
+:func:`entry_point`: the first one called installs the runtime for the rest of the process
+(:func:`ensure_installed`), so they work in a fresh interpreter on CPU as on GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List
+import functools
+from typing import Callable, Iterator, List, TypeVar
+
+F = TypeVar("F", bound=Callable)
 
 _applied: List = []
 _depth = 0
@@ -60,3 +66,23 @@ def installed(hold_warnings: bool = True) -> Iterator[None]:
         yield
     finally:
         uninstall()
+
+
+def ensure_installed() -> None:
+    """Install the runtime unless it is installed (by a command, the test harness, the
+    caller or an earlier library call); it then stays for the rest of the process
+    (:func:`uninstall` takes it back). Python's warning handling stays the caller's."""
+    if not _depth:
+        install(hold_warnings=False)
+
+
+def entry_point(function: F) -> F:
+    """Mark a library function a user calls from Python: :func:`ensure_installed` runs
+    before it (nothing happens when the function is only imported or decorated)."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        ensure_installed()
+        return function(*args, **kwargs)
+
+    return wrapper

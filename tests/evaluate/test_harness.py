@@ -3,6 +3,9 @@ on local five-shot tasks (no network: the tasks read jsonl files written here)."
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -71,6 +74,19 @@ def task_dir(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def checkpoint(megatron_single, tokenizer, tmp_path_factory):
+    """A saved tiny vanilla model (fp32, 320 tokens, 256-token context) with the tokenizer."""
+    from depthmix.testing import train_and_save
+
+    run = tiny_run("vanilla")
+    run.model.vocab_size, run.model.seq_length = 320, 256
+    run.train.micro_batch_size = run.train.global_batch_size = 1
+    run.logger.wandb = False
+    return train_and_save(run, str(tmp_path_factory.mktemp("ckpt") / "checkpoints"),
+                          tokenizer.path)
+
+
 @pytest.fixture(autouse=True)
 def _offline_datasets(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -93,12 +109,13 @@ def model_for(mixer):
 
 
 def direct_loglikelihood(model, tok, context, continuation):
-    """lm-eval's split (encode the whole, the context's tokens first), one plain forward."""
-    ctx = tok.encode(context) if context else [tok.eod]
+    """lm-eval's split (the context's own tokens, then the whole text's tokens past as
+    many), one plain forward."""
+    ctx = tok.encode(context.rstrip()) if context else [tok.eod]
     whole = tok.encode(context + continuation) if context else ctx + tok.encode(continuation)
     cont = whole[len(ctx):]
     with torch.no_grad():
-        logits = model(torch.tensor([whole[:-1]]))[0]
+        logits = model(torch.tensor([(ctx + cont)[:-1]]))[0]
     logprobs = torch.log_softmax(logits.float(), dim=-1)[len(ctx) - 1:]
     target = torch.tensor(cont)
     return float(logprobs.gather(-1, target[:, None]).sum()), \
@@ -216,18 +233,13 @@ def test_five_shot_local_tasks_through_lm_evals_evaluator(megatron_single, token
 
 @pytest.mark.multiproc(at_once=1)
 def test_eval_tasks_run_in_the_precision_asked_for(megatron_single, tokenizer, task_dir,
-                                                   tmp_path):
+                                                   checkpoint, tmp_path):
     """``depthmix-eval train.precision=bf16 eval.tasks=[...]`` on an fp32 checkpoint: the
     tasks' log-likelihoods are a bf16 forward's (not fp32's) and the results say bf16."""
     from depthmix.evaluate.job import compose_job, run_job
     from depthmix.inference.load import load_model
-    from depthmix.testing import train_and_save
 
-    run = tiny_run("vanilla")
-    run.model.vocab_size, run.model.seq_length = 320, 256
-    run.train.micro_batch_size = run.train.global_batch_size = 1
-    run.logger.wandb = False
-    ckpt = train_and_save(run, str(tmp_path / "ckpt"), tokenizer.path)
+    ckpt = checkpoint
     results = run_job(compose_job(
         f"eval.checkpoint={ckpt}", "eval.tasks=[dm_ppl]", f"eval.include_path={task_dir}",
         "eval.limit=3", "eval.batch_size=1", "train.precision=bf16", "logger=none",
@@ -250,6 +262,47 @@ def test_eval_tasks_run_in_the_precision_asked_for(megatron_single, tokenizer, t
     got = results["tasks"]["results"]["dm_ppl"]["word_perplexity,none"]
     assert math.isclose(got, word_perplexity(torch.bfloat16), rel_tol=1e-6)
     assert not math.isclose(got, word_perplexity(torch.float32), rel_tol=1e-4)
+
+
+FRESH_INTERPRETER = r"""
+import json, sys
+
+from depthmix import runtime
+from depthmix.evaluate.harness import evaluate_tasks  # registers lm-eval's model "depthmix"
+from depthmix.inference.load import load_model
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+
+checkpoint, tasks = sys.argv[1:]
+installed = [runtime.is_installed()]  # importing patches nothing
+loaded = load_model(checkpoint)
+installed.append(runtime.is_installed())
+runtime.uninstall()  # as fresh again: the next entry point installs it itself
+manager = TaskManager(include_path=tasks, include_defaults=False)
+theirs = simple_evaluate(model="depthmix", model_args={"checkpoint": checkpoint},
+                         tasks=["dm_mc"], batch_size=2, limit=3, task_manager=manager)
+installed.append(runtime.is_installed())
+runtime.uninstall()
+ours = evaluate_tasks(loaded, ["dm_mc"], batch_size=2, limit=3, include_path=tasks,
+                      include_defaults=False)
+installed.append(runtime.is_installed())
+print(json.dumps({"installed": installed, "device": str(next(loaded.model.parameters()).device),
+                  "results": [r["results"]["dm_mc"]["acc,none"] for r in (theirs, ours)]}))
+"""
+
+
+@pytest.mark.multiproc(at_once=1)
+def test_the_library_works_from_a_fresh_interpreter_on_cpu(checkpoint, task_dir):
+    """docs/evaluation.md's Python entry points with no set-up: ``load_model`` and lm-eval's
+    ``simple_evaluate(model="depthmix")`` (``DepthmixLM``), then ``evaluate_tasks``, each
+    from a process without :mod:`depthmix.runtime` installed, on CPU (no CUDA visible)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", FRESH_INTERPRETER, checkpoint, str(task_dir)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["installed"] == [False, True, True, True] and out["device"] == "cpu", out
+    assert out["results"][0] == out["results"][1] and 0.0 <= out["results"][0] <= 1.0, out
 
 
 def test_unknown_task_lists_close_matches(megatron_single, tokenizer, task_dir):

@@ -85,10 +85,28 @@ def test_vanilla_loads_without_custom_code_and_matches(vanilla_export, tokenizer
     assert "auto_map" not in config
 
 
+WORD_BOUNDARY = [("the quick brown f", "ox jumps over"), ("depth mixing re", "ads earlier"),
+                 ("attention over dep", "th and over"), ("over the seq", "uence"),
+                 ("the quick brown fox jumps over the l", "azy dog")]
+"""Requests split inside a word that this tokenizer encodes differently alone and in the
+whole text (``"...dep"`` -> ``de``, ``p``; ``"...depth and"`` -> ``depth``, ...): lm-eval
+conditions the continuation on the context's own tokens."""
+MERGED = ("the quick brown fox jumps o", "ver")
+"""The whole text ends in one token `` over``: lm-eval's continuation is empty."""
+
+
+def _instances(requests):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i)
+            for i, r in enumerate(requests)]
+
+
 def test_lm_evals_hf_model_scores_the_export_as_our_adapter_does(vanilla_export, monkeypatch):
     """``pip install -e '.[dev]'`` brings lm-eval's own ``hf`` model (accelerate): offline,
-    on the exported directory, its log-likelihoods are our adapter's on the checkpoint."""
-    from lm_eval.api.instance import Instance
+    on the exported directory, its log-likelihoods are our adapter's on the checkpoint,
+    also for words split at the context's end; where lm-eval's split leaves no continuation
+    (its ``hf`` model asserts) ours scores the whole text's last token."""
     from lm_eval.models.huggingface import HFLM
 
     from depthmix.evaluate.harness import DepthmixLM
@@ -97,16 +115,25 @@ def test_lm_evals_hf_model_scores_the_export_as_our_adapter_does(vanilla_export,
     ckpt_dir, out = vanilla_export
     if not os.path.exists(os.path.join(out, "config.json")):
         assert export_main([ckpt_dir, out]) == 0
+    hflm = HFLM(pretrained=out, device="cpu", dtype="float32", batch_size=2)
+    for context, continuation in WORD_BOUNDARY:  # the case arises with this tokenizer
+        alone, whole = hflm.tok_encode(context), hflm.tok_encode(context + continuation)
+        assert whole[:len(alone)] != alone and len(whole) > len(alone), context
+    assert hflm._encode_pair(*MERGED)[1] == []
     requests = [("the quick brown", " fox jumps over"), ("depth mixing", " reads earlier"),
-                ("a tiny model for", " a tiny test")]
-    instances = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i)
-                 for i, r in enumerate(requests)]
-    theirs = HFLM(pretrained=out, device="cpu", dtype="float32", batch_size=2).loglikelihood(
-        instances, disable_tqdm=True)
+                ("a tiny model for", " a tiny test"), ("depth mixing reads ", "earlier layers"),
+                *WORD_BOUNDARY]
+    theirs = hflm.loglikelihood(_instances(requests), disable_tqdm=True)
     ours = DepthmixLM(model=load_model(ckpt_dir), batch_size=2).loglikelihood(
-        instances, disable_tqdm=True)
+        _instances([*requests, MERGED]), disable_tqdm=True)
+    gaps = [abs(a - b) for (a, _), (b, _) in zip(theirs, ours)]
     for request, (a, a_greedy), (b, b_greedy) in zip(requests, theirs, ours):
         assert abs(a - b) < 1e-4 and a_greedy == b_greedy, (request, a, b)
+    print(f"max |loglikelihood difference| over {len(requests)} requests: {max(gaps):.2e}")
+    whole = hflm.tok_encode("".join(MERGED))  # its last token after (up to) 16 before it
+    with torch.no_grad():
+        logits = hflm.model(torch.tensor([whole[-17:-1]])).logits[0, -1].float()
+    assert abs(ours[-1][0] - float(torch.log_softmax(logits, -1)[whole[-1]])) < 1e-4
 
 
 @pytest.mark.parametrize("options", [{}, {"stride": 1, "source_mode": "relative"},

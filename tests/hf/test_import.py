@@ -1,8 +1,9 @@
 """depthmix-import on one process: Hugging Face Qwen3 / Llama / tied-embedding models (built
 here from random weights) become checkpoints whose logits, greedy generation and
 ``depthmix-eval`` loss are transformers'; import -> export gives the original tensors bit
-for bit; what does not map is refused at once, naming the field. (The other layouts:
-``test_import_layouts.py``.)"""
+for bit; what does not map is refused at once, naming the field. The import's output
+directory is itself the checkpoint every command takes (here: its own path, not its
+``checkpoints/``). (The other layouts: ``test_import_layouts.py``.)"""
 
 import json
 import os
@@ -31,7 +32,7 @@ def hf(hf_dirs):
 def ours(imported, megatron_single):
     from depthmix.inference.load import load_model
 
-    return {k: load_model(checkpoints(out)) for k, out in imported.items()}
+    return {k: load_model(out) for k, out in imported.items()}
 
 
 def ids(batch=2, length=SEQ, seed=0):
@@ -63,7 +64,7 @@ def test_eval_loss_equals_transformers_over_the_same_windows(kind, imported, hf,
                                                              tmp_path, megatron_single):
     from depthmix.evaluate.job import compose_job, run_job
 
-    job = compose_job(f"eval.checkpoint={checkpoints(imported[kind])}",
+    job = compose_job(f"eval.checkpoint={imported[kind]}",
                       f"eval.datasets={{d: {dataset}}}", "eval.batch_size=4",
                       f"eval.output={tmp_path}/eval.json", "logger=none")
     result = run_job(job)["datasets"]["d"]
@@ -78,7 +79,7 @@ def test_import_then_export_gives_the_original_tensors(kind, imported, hf_dirs, 
 
     from depthmix.cli.export import main as export
 
-    assert export([checkpoints(imported[kind]), str(tmp_path / "hf")]) == 0
+    assert export([imported[kind], str(tmp_path / "hf")]) == 0
     original = load_file(os.path.join(hf_dirs[kind], "model.safetensors"))
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert sorted(exported) == sorted(original)
@@ -111,7 +112,7 @@ def test_the_output_is_a_checkpoint_a_preset_and_the_tokenizer(imported, hf_dirs
         "the lazy fox")
 
     given = [f"hydra.searchpath=[file://{out}/configs]", "model=qwen3_tied",
-             f"train.load_dir={checkpoints(out)}", "mixer=attnres_block",
+             f"train.load_dir={out}", "mixer=attnres_block",
              f"output_dir={tmp_path}"]
     run = compose_run(*given, "train.load_weights_only=true")
     assert json.loads(json.dumps(vars(run.model))) == model
@@ -126,8 +127,45 @@ def test_a_full_resume_of_an_import_is_refused_naming_the_option(imported):
 
     out = imported["qwen3"]
     run = compose_run(f"hydra.searchpath=[file://{out}/configs]", "model=qwen3",
-                      f"train.load_dir={checkpoints(out)}")
+                      f"train.load_dir={out}")
     with pytest.raises(ConfigError, match="train.load_weights_only=true"):
+        preflight_checkpoint(run)
+
+
+def test_depthmix_generate_takes_the_import_directory(imported, capsys):
+    from depthmix.cli.generate import main
+
+    assert main([imported["llama"], "-p", "the lazy", "-n", "4", "--format", "jsonl"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["prompt"] == "the lazy" and len(line["tokens"]) == 4
+
+
+def test_a_directory_without_a_checkpoint_names_the_closest_below_it(imported, tmp_path,
+                                                                     capsys):
+    """A directory above the imports: every command says what it looked for and names the
+    nearest checkpoint directory below (the newest of equals), then ``train.load_dir`` too
+    (at start-up)."""
+    from depthmix.checkpoint.store import TRACKER, preflight_checkpoint
+    from depthmix.cli.generate import main as generate
+    from depthmix.config.load import compose_run
+    from depthmix.config.schema import ConfigError
+
+    root = os.path.dirname(imported["qwen3"])
+    newest = max((checkpoints(out) for out in imported.values()), key=os.path.getmtime)
+    assert generate([root, "-p", "the"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"checkpoint={root} holds no checkpoint (looked for {TRACKER}" in err, err
+    assert err.endswith(f"the closest checkpoint directory below it: checkpoint={newest}"), err
+
+    deep = tmp_path / "a" / "b"
+    deep.mkdir(parents=True)
+    os.symlink(imported["qwen3"], deep / "model")
+    (tmp_path / "near").mkdir()  # holds nothing: not the answer
+    run = compose_run(f"hydra.searchpath=[file://{imported['qwen3']}/configs]", "model=qwen3",
+                      f"train.load_dir={tmp_path}", "train.load_weights_only=true")
+    with pytest.raises(ConfigError, match=rf"train.load_dir={tmp_path} holds no checkpoint .*"
+                                          rf"below it: train.load_dir={deep}/model/checkpoints$"):
         preflight_checkpoint(run)
 
 
