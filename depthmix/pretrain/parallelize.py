@@ -2,8 +2,8 @@
 
 1. ``init_distributed``: the default process group (the launcher's environment, or a world
    of one local process), Megatron's TP/PP/DP groups, and the model-parallel RNG seeds.
-   Without CUDA it needs the CPU shim, which the entry points install
-   (:func:`depthmix.runtime.install`).
+   Without CUDA it needs the CPU shim: it installs the runtime first where no entry point
+   did (:func:`depthmix.runtime.entry_point`).
 2. ``build_chunks``: one ``DepthMixModel`` per virtual pipeline stage on this rank, sharing a
    depth-state cache -> ``Float16Module`` for bf16/fp16; what evaluation runs (no gradient
    buffers). ``build_model`` (training) wraps them in Megatron DDP (buckets and overlapped
@@ -29,6 +29,7 @@ from depthmix.megatron_ext.transport import DepthStateCache
 from depthmix.pretrain import overlap
 from depthmix.pretrain.compile import compile_layers
 from depthmix.pretrain.compile import enabled as compile_enabled
+from depthmix.runtime import entry_point
 from depthmix.runtime.env import free_port
 
 
@@ -54,6 +55,7 @@ class Topology:
         return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
 
 
+@entry_point
 def init_distributed(run: RunConfig) -> Topology:
     """Initialise torch.distributed and Megatron's parallel state (idempotent)."""
     if not dist.is_initialized():

@@ -23,6 +23,7 @@ from depthmix.pretrain.parallelize import build_model, init_distributed
 from depthmix.pretrain.preflight import preflight
 from depthmix.pretrain.state import TrainState
 from depthmix.pretrain.step import StepResult, eval_step, take, train_step
+from depthmix.runtime import entry_point
 from depthmix.runtime.device import device_name
 from depthmix.runtime.log import say
 
@@ -32,6 +33,7 @@ log = logging.getLogger("depthmix")
 class Trainer:
     """Owns the model chunks, optimizer, schedule, data and callbacks of one run."""
 
+    @entry_point  # from Python too: the runtime (the CPU shim where CUDA is absent) first
     def __init__(self, run: RunConfig, data=None, callbacks: Optional[List[Callback]] = None):
         """``data``: None (``depthmix.data.build_data``), a data object (``train_iterator``,
         ``valid_iterator()``), or a builder with ``build_data``'s signature
