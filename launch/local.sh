@@ -7,9 +7,14 @@
 # time>/<model>_<mixer> (the run's closing summary prints the whole command), or with the
 # same DEPTHMIX_RUN_KEY (printed below).
 #
-# Signals: SIGTERM (kill <pid of this script>), SIGHUP and Ctrl-C make every rank finish its
-# step or eval batch, save and exit; the status is then 0. A second Ctrl-C aborts at once
-# without saving (status 130).
+# Signals: SIGTERM (kill <pid of this script>), SIGUSR1, SIGHUP and Ctrl-C make every rank
+# finish its step or eval batch, save and exit; the status is then 0 and the run's closing
+# summary ends the console. A second Ctrl-C aborts at once without saving (status 130).
+#
+# torchrun runs through `python -m depthmix.runtime.torchrun` (the same arguments), which
+# keeps torchrun's own messages (its signal handling: "Received 15 death signal", the
+# SignalException traceback) off the console: they go to <run dir>/torchrun.log. With
+# DEPTHMIX_LAUNCH_VERBOSE=1 they are printed as well.
 set -euo pipefail
 
 if [ -z "${NPROC_PER_NODE:-}" ]; then
@@ -23,16 +28,13 @@ DEPTHMIX_RUN_KEY=${DEPTHMIX_RUN_KEY:-local/$(date +%Y-%m-%d_%H-%M-%S)}
 export DEPTHMIX_RUN_KEY
 echo "[depthmix] ${NPROC_PER_NODE} rank(s); DEPTHMIX_RUN_KEY=${DEPTHMIX_RUN_KEY}"
 
-# Each rank that exits 0 leaves a mark here: torchrun exits 1 whenever it got a signal itself,
-# even after every rank saved and exited 0, so the marks decide the status.
-DEPTHMIX_EXIT_DIR=$(mktemp -d "${TMPDIR:-/tmp}/depthmix-exit.XXXXXX")
-export DEPTHMIX_EXIT_DIR
 # On a signal torchrun forwards it to the ranks and waits this long before killing them.
 export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-600}
 
 # torchrun runs in its own session: a signal for this script (or Ctrl-C on the terminal)
-# reaches it once, forwarded below, never twice.
-setsid "${DEPTHMIX_PYTHON:-python}" -m torch.distributed.run --standalone \
+# reaches it once, forwarded below, never twice. It exits 0 when every rank saved and
+# exited 0, also after a signal (torchrun alone exits 1 then).
+setsid "${DEPTHMIX_PYTHON:-python}" -m depthmix.runtime.torchrun --standalone \
     --nproc-per-node="$NPROC_PER_NODE" -m depthmix.cli.train "$@" &
 torchrun_pid=$!
 
@@ -46,11 +48,16 @@ forward() {
             return
         fi
     fi
+    if [ "$1" = USR1 ]; then  # torchrun does not forward USR1 (it would die of it)
+        pkill -USR1 -P "$torchrun_pid" || true
+        return
+    fi
     kill -s "$1" "$torchrun_pid" 2>/dev/null || true
 }
 trap 'forward TERM' TERM
 trap 'forward TERM' HUP
 trap 'forward INT' INT
+trap 'forward USR1' USR1
 
 # `wait` returns early (status > 128) when a trap runs; keep waiting for torchrun itself.
 set +e
@@ -64,13 +71,7 @@ while :; do
 done
 set -e
 
-marks=$(find "$DEPTHMIX_EXIT_DIR" -name 'rank*' | wc -l)
-if [ "$status" -ne 0 ] && [ "$interrupts" -lt 2 ] && [ "$marks" -eq "$NPROC_PER_NODE" ]; then
-    echo "[depthmix] torchrun exited ${status} after a signal, but all ${marks} ranks saved and" \
-         "exited 0: exit 0"
-    status=0
-elif [ "$interrupts" -ge 2 ]; then
+if [ "$interrupts" -ge 2 ]; then
     status=130
 fi
-rm -rf "$DEPTHMIX_EXIT_DIR"
 exit "$status"

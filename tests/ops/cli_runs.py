@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -21,11 +22,11 @@ TINY = ["model=tiny", "logger=none", "train.log_interval=1", "train.eval_interva
 
 
 class Proc:
-    def __init__(self, args, cwd, env, timeout=300):
+    def __init__(self, args, cwd, env, timeout=300, **popen):
         self.lines = []
         self.deadline = time.monotonic() + timeout
         self.p = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                  stderr=subprocess.STDOUT, text=True, bufsize=1, **popen)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -77,6 +78,31 @@ class Proc:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def sigint_at_default() -> None:
+    """``preexec_fn``: the child starts with SIGINT at its default disposition, as from a
+    terminal (a process started in the background of a non-interactive shell, e.g. a test
+    runner's, inherits SIGINT ignored, and bash cannot trap a signal ignored on entry)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def assert_quiet_signal_stop(proc: Proc, signame: str) -> int:
+    """The console of a launcher stopped by ``signame``: one "received" line (the logging
+    rank's), no torchrun traceback or death-signal warnings, and the closing summary as its
+    last lines. Returns the step the run stopped at (its last step line)."""
+    text = proc.text
+    assert "Traceback" not in text and "death signal" not in text, text[-3000:]
+    assert text.count("received SIG") == 1 and f"received {signame}:" in text, text[-3000:]
+    m = re.search(rf"preemption \({signame}\) at step (\d+)", text)
+    assert m, text[-3000:]
+    stopped = int(m.group(1))
+    assert proc.steps()[-1] == stopped, text[-3000:]
+    ending = [line.split(" ")[0] for line in proc.lines[-4:]]
+    assert ending == ["run", "outputs:", "last", "resume:"], text[-3000:]
+    assert proc.lines[-4].startswith(f"run preempted ({signame}) at step {stopped}/"), \
+        text[-3000:]
+    return stopped
 
 
 def base_env(tmp: str, cache: str, **extra) -> dict:

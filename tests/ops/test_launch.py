@@ -1,7 +1,8 @@
 """The launch scripts: syntax and shellcheck; the sbatch script end to end in a simulated
 single-node SLURM job (SLURM_* set, fake srun/scontrol/scancel on PATH, 2 ranks on CPU):
 world-size check, training, USR1 near the time limit -> ranks save -> requeue, and the
-requeued job resuming from that checkpoint in the same output directory."""
+requeued job resuming from that checkpoint in the same output directory; SIGTERM to every
+process of the job (preemption) -> ranks save, exit 0, the job log ends with the summary."""
 
 import os
 import re
@@ -12,10 +13,11 @@ import pytest
 
 from depthmix.checkpoint.store import latest_checkpoint, step_dir
 
-from cli_runs import TINY, Proc, calls, slurm_env
+from cli_runs import TINY, Proc, assert_quiet_signal_stop, calls, slurm_env
 from ops_harness import REPO
 
-SCRIPTS = ["launch/slurm/train.sbatch", "launch/slurm/node.sh", "launch/local.sh"]
+SCRIPTS = ["launch/slurm/train.sbatch", "launch/slurm/node.sh", "launch/local.sh",
+           "tests/ops/fake_slurm/srun", "tests/ops/fake_slurm/scontrol"]
 SBATCH = os.path.join(REPO, "launch", "slurm", "train.sbatch")
 
 
@@ -95,3 +97,37 @@ def test_sbatch_trains_saves_on_usr1_requeues_and_resumes(tmp_path):
     assert latest_checkpoint(root) == step_dir(root, stopped + 2)
     assert calls(tmp).count("scontrol requeue 4242") == 1  # finished normally: no requeue
     assert os.listdir(os.path.join(tmp, "outputs")) == ["slurm-4242"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_sbatch_sigterm_to_the_whole_job_saves_and_ends_with_the_summary(tmp_path):
+    """Scheduler preemption or scancel: SIGTERM to every process of the job at once (batch
+    script, srun, node.sh, torchrun, ranks), and srun forwards it to the step once more
+    (torchrun gets it twice). The ranks save the step they are on, the job exits 0 without
+    a requeue of its own (SLURM's --requeue does that), and its log ends with the closing
+    summary, torchrun's messages in the run directory's torchrun.log."""
+    import psutil
+
+    tmp, cache = str(tmp_path), str(tmp_path / "cache")
+    env = slurm_env(tmp, cache, job_id="4343")
+    job = Proc(["bash", SBATCH, *TINY, "parallel=pp2"], cwd=tmp, env=env, timeout=300)
+    try:
+        job.wait_for(lambda p: any(s >= 2 for s in p.steps()), "step 2")
+        root = psutil.Process(job.p.pid)
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        code = job.finish()
+    finally:
+        job.kill()
+    assert code == 0, job.text[-3000:]
+    stopped = assert_quiet_signal_stop(job, "SIGTERM")
+    assert not [c for c in calls(tmp) if c.startswith(("scancel", "scontrol requeue"))]
+    run_dir = os.path.join(tmp, "outputs", "slurm-4343", "tiny_vanilla")
+    root = os.path.join(run_dir, "checkpoints")
+    assert latest_checkpoint(root) == step_dir(root, stopped)
+    with open(os.path.join(run_dir, "torchrun.log")) as f:
+        assert "Received 15 death signal" in f.read()

@@ -1,7 +1,9 @@
 """SIGTERM to one rank of a running 2-process torchrun training (PP=2, gloo): both ranks
 stop after the same step, save a complete checkpoint of it and exit 0; re-running with the
 same run key resumes from that step. Also: ranks agree on one output directory; SIGTERM to
-``launch/local.sh`` during evaluation stops within one eval batch and exits 0."""
+``launch/local.sh`` during evaluation stops within one eval batch and exits 0, and so does
+Ctrl-C to it. A launcher's signal stop ends its console with the closing summary: no
+torchrun traceback, one "received" line."""
 
 import os
 import re
@@ -13,7 +15,8 @@ import pytest
 
 from depthmix.checkpoint.store import latest_checkpoint, read_meta, step_dir
 
-from cli_runs import TINY, Proc, base_env, rank_processes, torchrun
+from cli_runs import (TINY, Proc, assert_quiet_signal_stop, base_env, rank_processes,
+                      sigint_at_default, torchrun)
 from ops_harness import PYTHON, REPO
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -92,7 +95,8 @@ def test_launcher_sigterm_during_eval_saves_within_one_eval_batch(tmp_path):
     """launch/local.sh with 2 ranks (PP=2), SIGTERM to the script while both ranks are in a
     300-batch evaluation: torchrun forwards it, the ranks agree to stop after the same eval
     batch, save the step the evaluation belongs to, and the script exits 0 (torchrun alone
-    exits 1 after any signal it handled)."""
+    exits 1 after any signal it handled), its console ending with the closing summary;
+    torchrun's own messages are in the run directory's torchrun.log."""
     tmp, cache = str(tmp_path), str(tmp_path / "cache")
     env = base_env(tmp, cache, NPROC_PER_NODE=2, DEPTHMIX_PYTHON=PYTHON,
                    DEPTHMIX_RUN_KEY="local/eval-sigterm")
@@ -111,6 +115,33 @@ def test_launcher_sigterm_during_eval_saves_within_one_eval_batch(tmp_path):
                   r"(\d+)/300\)", job.text)
     assert m, job.text[-3000:]
     assert int(m.group(1)) < 300 and job.steps()[-1] == 3
-    assert "all 2 ranks saved and exited 0: exit 0" in job.text
-    root = os.path.join(tmp, "outputs", "local", "eval-sigterm", "tiny_vanilla", "checkpoints")
+    assert assert_quiet_signal_stop(job, "SIGTERM") == 3
+    run_dir = os.path.join(tmp, "outputs", "local", "eval-sigterm", "tiny_vanilla")
+    root = os.path.join(run_dir, "checkpoints")
     assert latest_checkpoint(root) == step_dir(root, 3)
+    with open(os.path.join(run_dir, "torchrun.log")) as f:
+        assert "Received 15 death signal, shutting down workers" in f.read()
+
+
+def test_launcher_ctrl_c_saves_and_ends_with_the_summary(tmp_path):
+    """launch/local.sh with 2 ranks (PP=2), stopped by Ctrl-C (SIGINT to the script, at its
+    default disposition as under a terminal; torchrun forwards it): both ranks save the step
+    they are on and the script exits 0, its console ending with the closing summary."""
+    tmp, cache = str(tmp_path), str(tmp_path / "cache")
+    env = base_env(tmp, cache, NPROC_PER_NODE=2, DEPTHMIX_PYTHON=PYTHON,
+                   DEPTHMIX_RUN_KEY="local/stopped")
+    job = Proc(["bash", LOCAL_SH, *TINY, "parallel=pp2"], cwd=tmp, env=env, timeout=300,
+               preexec_fn=sigint_at_default)
+    try:
+        job.wait_for(lambda p: any(s >= 2 for s in p.steps()), "step 2")
+        job.p.send_signal(signal.SIGINT)
+        code = job.finish()
+    finally:
+        job.kill()
+    assert code == 0, job.text[-3000:]
+    stopped = assert_quiet_signal_stop(job, "SIGINT")
+    run_dir = os.path.join(tmp, "outputs", "local", "stopped", "tiny_vanilla")
+    root = os.path.join(run_dir, "checkpoints")
+    assert latest_checkpoint(root) == step_dir(root, stopped)
+    with open(os.path.join(run_dir, "torchrun.log")) as f:
+        assert "Received 2 death signal" in f.read()
