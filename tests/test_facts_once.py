@@ -68,7 +68,10 @@ def idx_header(node: ast.AST) -> bool:
 
 
 def default_save_dir(node: ast.AST) -> bool:
-    """``<output_dir>/checkpoints``: a call that joins ``"checkpoints"`` onto a path."""
+    """``<output_dir>/checkpoints``: a call that joins ``"checkpoints"`` onto a path, or a
+    name bound to ``"checkpoints"`` (what such a call joins)."""
+    if isinstance(node, ast.Assign):
+        return isinstance(node.value, ast.Constant) and node.value.value == "checkpoints"
     return (isinstance(node, ast.Call) and _attr(node.func, "join")
             and any(isinstance(a, ast.Constant) and a.value == "checkpoints" for a in node.args))
 
