@@ -16,6 +16,10 @@ checkpoint and exited 0. This wrapper changes three things:
 * A signal stop ends quietly. The status is 0 when every local rank left its exit mark
   (:func:`depthmix.pretrain.callbacks.preemption.mark_clean_exit`: saved and exited 0).
   Otherwise the status is 1, and one line says how many ranks saved.
+* A rank that fails ends torchrun with the first failed rank's status (2 for a
+  configuration error, which the ranks printed themselves), not torchrun's 1 and its
+  traceback: one line names the rank, its status and where torchrun's log is; a
+  configuration error adds nothing to the ranks' own line.
 * torchrun acts on the first death signal only. A repeated SIGTERM or SIGHUP (SLURM
   delivers its signal both directly and through ``srun``) is ignored while the ranks save.
   A second SIGINT goes to the ranks, which abort at once (a second Ctrl-C).
@@ -154,9 +158,26 @@ def _once_per_launch() -> None:
     api._terminate_process_handler = terminate_once
 
 
+def _failed(error, log: RunDirLog, verbose: bool) -> int:
+    """The status of torchrun's ``ChildFailedError``: the first failed rank's."""
+    rank, first = error.get_first_failure()
+    if first.exitcode == exit_codes.CONFIG_ERROR:
+        if not verbose:  # the ranks said what is wrong; torchrun's shutdown notes are noise
+            log.held.clear()
+        return exit_codes.CONFIG_ERROR
+    how = (f"status {first.exitcode}" if first.exitcode > 0
+           else f"signal {signal.Signals(-first.exitcode).name}")
+    log.flush()
+    where = log.path or "above"
+    print(f"[depthmix] rank {rank} ended with {how}; torchrun's log: {where}",
+          file=sys.stderr, flush=True)
+    return first.exitcode if first.exitcode > 0 else exit_codes.CRASH
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     argv = sys.argv[1:] if argv is None else argv
     args = torchrun.parse_args(argv)
@@ -179,6 +200,10 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{ranks} local ranks saved and exited 0 (exit {exit_codes.CRASH})",
               file=sys.stderr, flush=True)
         return exit_codes.CRASH
+    except ChildFailedError as e:
+        if verbose:
+            traceback.print_exc()
+        return _failed(e, log, verbose)
     finally:
         log.close()
         shutil.rmtree(exit_dir, ignore_errors=True)

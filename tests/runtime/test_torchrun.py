@@ -92,3 +92,27 @@ def test_only_the_first_death_signal_stops_torchrun(monkeypatch):
         api._terminate_process_handler(signal.SIGTERM, None)
     assert api._terminate_process_handler(signal.SIGTERM, None) is None
     assert api._terminate_process_handler(signal.SIGHUP, None) is None
+
+
+def _child_failed(*exitcodes: int):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    return ChildFailedError("depthmix.cli.train", {
+        rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="")
+        for rank, code in enumerate(exitcodes)})
+
+
+def test_a_failed_rank_ends_torchrun_with_its_status(tmp_path, capsys):
+    """A configuration error (status 2, printed by the ranks) adds nothing and drops
+    torchrun's shutdown notes; a crash or a signal adds one line naming the rank."""
+    log = torchrun.RunDirLog(str(tmp_path), "torchrun.log")
+    log.emit(_record())
+    assert torchrun._failed(_child_failed(2, -15), log, verbose=False) == 2
+    log.close()
+    assert capsys.readouterr().err == ""
+    log = torchrun.RunDirLog(str(tmp_path), "torchrun.log")
+    assert torchrun._failed(_child_failed(3), log, verbose=False) == 3
+    assert torchrun._failed(_child_failed(-9), log, verbose=False) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["[depthmix] rank 0 ended with status 3; torchrun's log: above",
+                   "[depthmix] rank 0 ended with signal SIGKILL; torchrun's log: above"]
