@@ -109,63 +109,9 @@ def build_runs(args):
     return runs
 
 
-def peer_models(run, head_dim: int):
-    """(name, model, loss_fn) of Megatron-Core's GPTModel (local spec) and, if installed,
-    HF Qwen3 at ``run``'s shape: RMSNorm, SwiGLU, QK-norm, RoPE, GQA, no biases, untied."""
-    import torch.nn.functional as F
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    m = run.model
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-        run.train.precision]
-    config = TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-        kv_channels=head_dim, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, qk_layernorm=True, hidden_dropout=0.0,
-        attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, pipeline_dtype=dtype)
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=m.vocab_size,
-                   max_sequence_length=m.seq_length, position_embedding_type="rope",
-                   share_embeddings_and_output_weights=False).to(dtype)
-    peers = [("megatron GPTModel", gpt,
-              lambda x, pos: gpt(x, pos, attention_mask=None, labels=x).sum())]
-    try:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-    except ImportError:
-        return peers
-    hf = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups, head_dim=head_dim,
-        max_position_embeddings=m.seq_length, tie_word_embeddings=False,
-        attn_implementation="sdpa")).to(dtype)
-    peers.append(("HF Qwen3", hf, lambda x, pos: hf(input_ids=x, labels=x).loss))
-    return peers
-
-
-def time_forward_backward(models, batch, steps: int, warmup: int) -> dict:
-    """Median seconds of forward+backward per model, stepped round-robin."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    x, pos = batch
-    times = {name: [] for name, _, _ in models}
-    for step in range(warmup + steps):
-        for name, model, loss_fn in models:
-            sync()
-            t0 = time.perf_counter()
-            loss_fn(x, pos).backward()
-            sync()
-            model.zero_grad(set_to_none=True)
-            if step >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def print_peers(vanilla_trainer, args) -> None:
     from depthmix.megatron_ext.model import unwrap
+    from depthmix.peers import peer_models, time_forward_backward
 
     run = vanilla_trainer.run
     ours = unwrap(vanilla_trainer.model[0])
@@ -174,7 +120,8 @@ def print_peers(vanilla_trainer, args) -> None:
                       device=device)
     pos = torch.arange(run.model.seq_length, device=device).expand_as(x)
     models = [("depthmix vanilla", ours, lambda x, pos: ours(x, pos, labels=x).sum())]
-    models += [(n, m.to(device), f) for n, m, f in peer_models(run, vanilla_trainer.config.kv_channels)]
+    models += [(n, m.to(device), f)
+               for n, m, f in peer_models(run, vanilla_trainer.config.kv_channels)]
     times = time_forward_backward(models, (x, pos), args.steps, args.warmup)
     base = times["depthmix vanilla"]
     print(f"\nforward+backward, same shape, median of {args.steps} (no optimizer)\n")

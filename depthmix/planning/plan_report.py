@@ -29,6 +29,7 @@ def _on(flag: Optional[bool], auto: str) -> str:
 def assumptions(run: RunConfig, cluster: Cluster) -> List[str]:
     """The inputs the ranking rests on, each with the option that changes it."""
     kind, m, t, p = cluster.kind(), run.model, run.train, run.parallel
+    c = step_time.constants(kind.name)
     nodes = -(-cluster.gpus // kind.gpus_per_node)
     mbs = ", ".join(str(b) for b in cluster.micro_batch_sizes)
     return [
@@ -44,8 +45,9 @@ def assumptions(run: RunConfig, cluster: Cluster) -> List[str]:
                                    if t.precision == "fp32" else ""),
         f"memory: {kind.memory_gib:.1f} GiB per GPU less a {cluster.reserve_gib:.1f} GiB "
         f"reserve (cluster.memory_gib, cluster.reserve_gib)",
-        f"step time: GEMM efficiency w / (w + {step_time.GEMM_HALF_WORK:.0e}), w = b s h "
-        f"(h / tp); {step_time.STAGE_SECONDS * 1e3:g} ms per micro-batch and pipeline chunk; "
+        f"step time: GEMM efficiency w / (w + {c.gemm_half_work:.0e}), w = b s h "
+        f"(h / tp); {c.stage_seconds * 1e3:.3g} ms per micro-batch and pipeline chunk "
+        f"({c.source}); "
         f"DP gradient reduction overlapped with backward: "
         f"{_on(p.overlap_grad_reduce, 'on at DP > 1')} (parallel.overlap_grad_reduce), "
         f"parameter gather with forward: "
@@ -95,6 +97,25 @@ def overlap_note(run: RunConfig, cluster: Cluster, chosen: Candidate) -> Optiona
             "with them: the ranking can change)")
 
 
+def measured_lines(run: RunConfig, cluster: Cluster) -> List[str]:
+    """The measured step of this shape beside the planner's prediction for the layout it ran
+    at (one GPU, one micro-batch a step), from GPU run files
+    (:func:`depthmix.planning.gpu_runs.measured`); empty when none has the shape."""
+    from depthmix.planning import gpu_runs
+    from depthmix.planning.planner import Layout
+
+    lines = []
+    for row in gpu_runs.measured(run, cluster.gpu, cluster.gpus):
+        lay = Layout(1, 1, None, 1, row["micro_batch"], "none", False, False)
+        predicted = evaluate(run, lay, cluster).step_seconds * 1e3
+        lines.append(
+            f"measured: {lay.short()} {row['mode']} on {row['device']}: "
+            f"{row['ms_per_step']:.1f} ms a step ({row['tokens_per_s']:,.0f} tokens/s), "
+            f"run file {row['run_file']}; predicted {predicted:.1f} ms "
+            f"({predicted / row['ms_per_step']:.2f} x measured)")
+    return lines
+
+
 def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
            out: TextIO = sys.stdout) -> Candidate:
     fitting, everyone = plan(run, cluster)
@@ -123,6 +144,8 @@ def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
     note = overlap_note(run, cluster, win)
     if note:
         w(f"{note}\n")
+    for line in measured_lines(run, cluster):
+        w(f"{line}\n")
     w("\nchosen:\n  depthmix-train " + " ".join([*argv, *win.layout.overrides(cluster.gpus)])
       + "\n")
     return win

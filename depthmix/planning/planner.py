@@ -28,7 +28,7 @@ from depthmix.config.schema import ConfigError, RunConfig
 from depthmix.config.validate import closest, validate
 from depthmix.planning import hardware, memory
 from depthmix.planning.flops import flops_per_token
-from depthmix.planning.step_time import TERMS, step_time
+from depthmix.planning.step_time import TERMS, calibrated, step_time
 from depthmix.planning.units import GIB, fmt_bytes
 
 
@@ -92,7 +92,7 @@ class Cluster:
         if self.gpu not in GPU_KINDS:
             raise ConfigError(f"cluster.gpu={self.gpu!r} is unknown; choose one of "
                               f"{', '.join(sorted(GPU_KINDS))}{closest(self.gpu, GPU_KINDS)}")
-        base = GPU_KINDS[self.gpu]
+        base = calibrated(GPU_KINDS[self.gpu])  # the measured runs' MFU, where fitted
         given = {f: getattr(self, f) for f in ("memory_gib", "peak_tflops", "mfu",
                                               "nvlink_gbs", "network_gbs")}
         kind = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})

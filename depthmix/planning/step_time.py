@@ -26,13 +26,19 @@ layouts by (:mod:`depthmix.planning.planner`). Terms, per step, on the slowest r
 
 MFU here is what large, GEMM-bound layers reach (:data:`depthmix.planning.planner.GPU_KINDS`);
 eta and the stage cost are what make micro-batch 1 and two-layer pipeline stages lose.
-Constants and their sources: docs/scaling.md, "The step-time model".
+Constants and their sources: docs/scaling.md, "The step-time model". Where measured GPU
+runs have been fitted (``python tools/gpu_tables.py --calibrate``:
+:mod:`depthmix.planning.gpu_runs`), a device's MFU, ``GEMM_HALF_WORK`` and
+``STAGE_SECONDS`` are the fitted ones (:func:`constants`; ``cluster.mfu=`` still wins).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 from depthmix.config.schema import RunConfig, overlap_at
-from depthmix.planning import memory
+from depthmix.planning import gpu_runs, memory
 
 TERMS = ("compute", "recompute", "stage", "bubble", "tp", "p2p", "dp")
 
@@ -44,10 +50,38 @@ BUCKET_PARAMS, BUCKET_PARAMS_PER_DP = 40_000_000, 1_000_000
 """Megatron's DDP bucket: ``max(40M, 1M x dp)`` parameters (``DistributedDataParallel``)."""
 
 
-def gemm_efficiency(run: RunConfig, micro_batch: int, tp: int) -> float:
+@dataclasses.dataclass(frozen=True)
+class Constants:
+    """The step-time model's constants for one device."""
+
+    gemm_half_work: float = GEMM_HALF_WORK
+    stage_seconds: float = STAGE_SECONDS
+    mfu: Optional[float] = None
+    """Fitted MFU of large GEMMs; None: the GPU kind's (:data:`planner.GPU_KINDS`)."""
+    source: str = "defaults, docs/scaling.md"
+
+
+def constants(device_name: str) -> Constants:
+    """The fitted constants of a device (``Device.name``) where measured runs were fitted
+    (:func:`depthmix.planning.gpu_runs.fitted`), else the defaults."""
+    fit = gpu_runs.fitted(device_name)
+    if not fit:
+        return Constants()
+    return Constants(fit["gemm_half_work"], fit["stage_seconds"], fit["mfu"],
+                     f"fitted to {fit['rows']} measured steps, docs/gpu-runs")
+
+
+def calibrated(kind):
+    """A planner GPU kind with its fitted MFU, where there is one."""
+    mfu = constants(kind.name).mfu
+    return kind if mfu is None else dataclasses.replace(kind, mfu=mfu)
+
+
+def gemm_efficiency(run: RunConfig, micro_batch: int, tp: int,
+                    half_work: float = GEMM_HALF_WORK) -> float:
     m = run.model
     work = micro_batch * m.seq_length * m.hidden_size * m.hidden_size / tp
-    return work / (work + GEMM_HALF_WORK)
+    return work / (work + half_work)
 
 
 def bucket_params(run: RunConfig, dp: int) -> int:
@@ -69,10 +103,11 @@ def step_time(run: RunConfig, lay, kind, ranks, flops_per_token: float, params_p
     tokens = t.global_batch_size * m.seq_length
     num_micro = t.global_batch_size // (lay.micro_batch * lay.dp)
     vp = lay.vp or 1
-    eta = gemm_efficiency(run, lay.micro_batch, lay.tp)
+    c = constants(kind.name)
+    eta = gemm_efficiency(run, lay.micro_batch, lay.tp, c.gemm_half_work)
     compute = flops_per_token * tokens / (gpus * kind.peak_tflops * 1e12 * kind.mfu * eta)
     recompute = compute / 3 if lay.recompute == "full" else 0.0
-    stage = num_micro * vp * STAGE_SECONDS
+    stage = num_micro * vp * c.stage_seconds
     bubble = (compute + recompute + stage) * (lay.pp - 1) / (vp * num_micro)
     layers_here = m.num_layers * m.n_loops // lay.pp
     collectives = 4 + (2 if lay.recompute == "full" else 0)

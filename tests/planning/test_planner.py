@@ -37,16 +37,17 @@ def _hand_times(cluster: plan.Cluster):
     run = compose_run(*TINY)
     m, t = run.model, run.train
     kind = cluster.kind()
+    c = step_time.constants(kind.name)  # the defaults, or the measured runs' fit
     w = 1 * m.seq_length * m.hidden_size * m.hidden_size
-    eta = w / (w + step_time.GEMM_HALF_WORK)
+    eta = w / (w + c.gemm_half_work)
     compute = (acc.flops_per_token(run)["train"] * t.global_batch_size * m.seq_length
                / (2 * kind.peak_tflops * 1e12 * kind.mfu * eta))
     dp_bytes = acc.total_params(run) * (4 + 2) * (1 / 2)
-    dp2 = compute + (t.global_batch_size // 2) * step_time.STAGE_SECONDS \
+    dp2 = compute + (t.global_batch_size // 2) * c.stage_seconds \
         + dp_bytes / (kind.network_gbs * 1e9)
     micro = t.global_batch_size  # micro batch 1, one pipeline
     p2p = micro * 2 * (1 * m.seq_length * m.hidden_size * 2) / (kind.network_gbs * 1e9)
-    stage = micro * step_time.STAGE_SECONDS
+    stage = micro * c.stage_seconds
     pp2 = compute + stage + (compute + stage) * (2 - 1) / micro + p2p
     return dp2, pp2
 
@@ -71,7 +72,8 @@ def test_larger_micro_batches_run_closer_to_the_large_gemm_mfu():
     _, everyone = plan.plan(run, cluster)
     by_mb = {c.layout.micro_batch: c for c in everyone if c.layout.recompute == "none"}
     w = run.model.seq_length * run.model.hidden_size ** 2
-    eta = {b: b * w / (b * w + step_time.GEMM_HALF_WORK) for b in (1, 4)}
+    half = step_time.constants(cluster.kind().name).gemm_half_work
+    eta = {b: b * w / (b * w + half) for b in (1, 4)}
     assert by_mb[1].seconds["compute"] / by_mb[4].seconds["compute"] == \
         pytest.approx(eta[4] / eta[1], rel=1e-6)
     assert by_mb[1].seconds["stage"] == pytest.approx(4 * by_mb[4].seconds["stage"])

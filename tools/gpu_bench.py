@@ -1,0 +1,995 @@
+#!/usr/bin/env python
+"""The GPU numbers, in one call: what a session lent a GPU runs first.
+
+One fixed matrix, run in parts, vanilla first (one call may be all the GPU time there is),
+written to one run file (``<date>-<device>-<commit>.json``, see
+:mod:`depthmix.planning.gpu_runs` for its schema) and its log, under ``--out`` (default
+``$OUT`` when set, else ``gpu-run/``). The JSON is rewritten after every row, so a killed
+run keeps what finished; each row runs in a ``try`` that records its error (out of memory
+too) and moves on. A time budget (``--budget-s``, 8 minutes) is shared out over the parts
+(vanilla until 38 % of it, mixers 70 %, kernels 84 %, checks the rest; what a part leaves
+passes on); a row that would not end in time is recorded as skipped, with the command
+that runs it. The parts:
+
+* ``vanilla``: training steps of the ``1p5b`` preset (seq 2048, 48 layers) and the ``3b``
+  widths (the most layers of 48/36/24/12 the memory model fits), micro-batch 1/2/4 and 8
+  (where the memory model fits it), each ``eager`` (``train.compile=false``),
+  ``compiled`` (``true``) and ``compiled+graphs`` (and ``train.cuda_graphs=true``); one
+  ``1p5b`` row with ``train.fused_cross_entropy=false train.fused_optimizer=false``. A
+  fast-path option this checkout lacks is recorded, and rows that need it are skipped.
+* ``mixers``: every mixer x ``mixer.impl`` torch/triton (triton only where the mixer has
+  kernels) x eager/compiled at vanilla's best setting (the ``1p5b`` row with the most
+  tokens/s: its micro-batch and fast paths) at ``--mixer-layers`` (12: a compiled
+  non-uniform stack compiles one body per layer) with a vanilla row of each mode beside
+  them, each mixer row carrying its extra roofline floor
+  (:func:`depthmix.kernels.roofline.step_extra_floor`) and whether
+  ``step <= vanilla + 1.5 x extra floor``; Hugging Face's Qwen3 (SDPA) eager and compiled
+  (regional, as ours) against our vanilla model, forward + backward at the same shape.
+* ``kernels``: ``moda_attention`` forward + backward at T 4K/16K/64K G 4 D 48 and the MoDA
+  paper's rows, ours against SDPA and, where fla-core is installed, its ``parallel_attn``,
+  each with its roofline floor.
+* ``checks``: a short run with background saves (``train.async_save=true``) resumed from its
+  step-3 checkpoint must match the uninterrupted run bit for bit (losses and final
+  weights; the writer, forked from a process whose CUDA is initialised, must not touch the
+  GPU: it writes without error, and ``nvidia-smi`` does not list it while it writes), and
+  each mixer with kernels gives the same losses over a few steps with ``mixer.impl=triton``
+  as with ``torch``.
+
+Every training row is built through the trainer's own path (``compose_run`` overrides and
+``Trainer``, synthetic data), reports the median ms/step, tokens/s, MFU by the trainer's
+FLOP count (:mod:`depthmix.planning.flops`, attention over the whole score square) and by
+the causal half, peak memory, and for one step under ``torch.profiler`` the host time and
+the GPU kernel time by category (GEMM, attention, depth kernels, elementwise, optimizer,
+communication, memcpy, other: by kernel name).
+
+On the GPU machine (Python 3.12, no megatron-core or hydra there: ``.whl`` carries them,
+see ``../shared/tools/device-wheels.sh`` and docs/benchmarks.md, "The next GPU session"),
+with ``carry [".whl"]``::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; \\
+    PYTHONUNBUFFERED=1 python3 tools/gpu_bench.py --part all
+
+Here: ``python tools/gpu_bench.py --smoke`` (tiny shapes, 1-2 steps, a couple of mixers;
+what ``tests/tools/test_gpu_bench.py`` runs). Then ``tools/gpu_tables.py`` turns the run
+file into the tables of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+from depthmix.cli.command import ArgumentParser, DefaultsFormatter
+
+PARTS = ("vanilla", "mixers", "kernels", "checks")
+SHARES = {"vanilla": 0.38, "mixers": 0.70, "kernels": 0.84, "checks": 1.0}
+"""Where each part's time ends, as a fraction of ``--budget-s`` (cumulative)."""
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=DefaultsFormatter)
+    p.add_argument("--part", default="all", choices=["all", *PARTS])
+    p.add_argument("--out", default=None,
+                   help="folder of the run file and its log (default $OUT, else gpu-run)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, 1-2 steps, a couple of mixers (the CPU test)")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="seconds for the whole call (0: no limit)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per row (4; smoke 1)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first (2; smoke 1); compiling happens here")
+    p.add_argument("--mixer-layers", type=int, default=12,
+                   help="layers of the mixers part (at the 1p5b widths)")
+    p.add_argument("--rows", default=None, metavar="REGEX",
+                   help="run only the rows whose id matches (e.g. 'mixers/.*/compiled')")
+    p.add_argument("--resume", default=None, metavar="RUN_FILE",
+                   help="go on from this run file of the same device and commit (carried "
+                        "in): its ok rows are kept, not run again, and its vanilla rows "
+                        "give the mixers their setting")
+    p.add_argument("--git-file", default=".whl/GIT_COMMIT",
+                   help="the commit and dirty flag, where git cannot tell (the GPU machine)")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    parse_args()  # --help or a wrong option: answered before torch is imported
+
+import torch  # noqa: E402
+
+from depthmix.planning import gpu_runs  # noqa: E402
+
+GIB = 2 ** 30
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIXERS = ("depth_attn", "moda", "attnres_full", "attnres_block", "mhc", "denseformer", "ddl")
+KERNEL_MIXERS_SMOKE = ("depth_attn",)
+FAST_PATHS = {"train.compile": "auto", "train.cuda_graphs": "false",
+              "train.fused_cross_entropy": "auto", "train.fused_optimizer": "auto"}
+"""The trainer's fast-path switches and the value that needs no override."""
+MODE_SETTINGS = {
+    "eager": {"train.compile": "false", "train.cuda_graphs": "false"},
+    "compiled": {"train.compile": "true", "train.cuda_graphs": "false"},
+    "compiled+graphs": {"train.compile": "true", "train.cuda_graphs": "true"},
+}
+UNFUSED = {"train.fused_cross_entropy": "false", "train.fused_optimizer": "false"}
+ESTIMATE_S = {"eager": 12.0, "compiled": 35.0, "compiled+graphs": 20.0, "peer": 30.0,
+              "kernel": 8.0, "check": 40.0}
+"""A row's expected seconds before one of its kind has run (then: the longest seen)."""
+PROFILE_RULES = (
+    ("communication", r"nccl|all_?reduce|reduce_?scatter|all_?gather"),
+    ("optimizer", r"multi_tensor|adam|l2norm|foreach"),
+    ("attention", r"flash|fmha|attention|sdpa|_moda_|cudnn"),
+    ("depth_kernels", r"depth_mix|attnres|mhc_|sinkhorn"),
+    ("gemm", r"gemm|cutlass|cublas|xmma|nvjet|wgmma|matmul|gemv|splitk"),
+    ("memcpy", r"memcpy|memset"),
+    ("elementwise", r"elementwise|vectorized|reduce|triton_|softmax|norm|cat_|copy|fill|"
+                    r"index|embedding|cross_entropy|nll|unrolled|scatter|gather"),
+)
+
+
+# ---------------------------------------------------------------------------------------
+# The run file
+# ---------------------------------------------------------------------------------------
+
+
+class RunFile:
+    """The JSON document, its log, and the time budget; every change is written at once."""
+
+    def __init__(self, args, out: str, env: dict, options: dict):
+        date = datetime.date.today().isoformat()
+        stem = gpu_runs.file_stem(date, env["device_kind"], env["git_commit"])
+        os.makedirs(out, exist_ok=True)
+        self.path = os.path.join(out, stem + ".json")
+        self.log_path = os.path.join(out, stem + ".log")
+        previous = args.resume or (self.path if os.path.exists(self.path) else None)
+        if previous:  # another part of the same run: append
+            self.doc = gpu_runs.load(previous)
+            theirs = self.doc["environment"]
+            if (theirs.get("device_kind"), theirs.get("git_commit")) != (
+                    env["device_kind"], env["git_commit"]):
+                raise SystemExit(f"--resume {previous}: a run of {theirs.get('device')} at "
+                                 f"{theirs.get('git_commit')}, not of this device and commit")
+            self.doc["argv"].append(sys.argv[1:])
+        else:
+            self.doc = {"schema": gpu_runs.SCHEMA, "tool": "tools/gpu_bench.py", "date": date,
+                        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                            timespec="seconds"),
+                        "argv": [sys.argv[1:]], "smoke": args.smoke, "environment": env,
+                        "options": options, "parts": {}, "rows": []}
+        self.rows_re = re.compile(args.rows) if args.rows else None
+        self.began = time.monotonic()
+        self.budget = args.budget_s
+        self.deadline = float("inf")
+        self.smoke = args.smoke
+        self.seen: Dict[str, float] = {}
+        self.write()
+
+    def log(self, message: str) -> None:
+        print(message, flush=True)
+        with open(self.log_path, "a") as f:
+            f.write(message + "\n")
+
+    def write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.doc, f, indent=1, default=_json_default)
+            f.write("\n")
+        os.replace(tmp, self.path)
+
+    def start_part(self, part: str) -> None:
+        self.deadline = (self.began + SHARES[part] * self.budget if self.budget
+                         else float("inf"))
+        self.doc["parts"][part] = {"status": "running", "seconds": 0.0}
+        self._part_began = time.monotonic()
+        self.write()
+        self.log(f"== part {part} (until {self.deadline - self.began:.0f} s of the budget)")
+
+    def end_part(self, part: str, status: str = "done", reason: Optional[str] = None) -> None:
+        state = self.doc["parts"][part]
+        state.update(status=status, seconds=round(time.monotonic() - self._part_began, 1))
+        if reason:
+            state["reason"] = reason
+        self.write()
+
+    def wanted(self, row_id: str) -> bool:
+        return self.rows_re is None or bool(self.rows_re.search(row_id))
+
+    def row(self, part: str, row_id: str, estimate_key: str, fn: Callable[[], dict],
+            release: bool = True) -> Optional[dict]:
+        """Run ``fn`` for one row (unless filtered out or out of time) and record it;
+        ``release``: free the model-parallel state and memory after it (not for a row
+        measured inside another, whose trainer is still in use)."""
+        if not self.wanted(row_id):
+            return None
+        existing = [r for r in self.doc["rows"] if r["id"] == row_id]
+        if existing and existing[0]["status"] == "ok":
+            return existing[0]
+        self.doc["rows"] = [r for r in self.doc["rows"] if r["id"] != row_id]
+        estimate = 0.0 if self.smoke else self.seen.get(estimate_key,
+                                                        ESTIMATE_S[estimate_key])
+        began = time.monotonic()
+        if began + estimate > self.deadline:
+            row = {"part": part, "id": row_id, "status": "skipped",
+                   "reason": f"time budget: ~{estimate:.0f} s needed, "
+                             f"{max(0.0, self.deadline - began):.0f} s left for this part; "
+                             f"run it with --part {part} --rows '{re.escape(row_id)}'"}
+        else:
+            self.log(f"-- {row_id}")
+            try:
+                row = {"part": part, "id": row_id, "status": "ok", "reason": None, **fn()}
+            except Skip as e:
+                row = {"part": part, "id": row_id, "status": "skipped", "reason": str(e)}
+            except Exception as e:  # noqa: BLE001 -- the row records it, the run goes on
+                oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
+                row = {"part": part, "id": row_id, "status": "oom" if oom else "error",
+                       "reason": f"{type(e).__name__}: {str(e)[:500]}"}
+                with open(self.log_path, "a") as f:
+                    traceback.print_exc(file=f)
+                e.__traceback__ = None
+            finally:
+                if release:
+                    _release()
+            if row["status"] != "skipped":
+                took = time.monotonic() - began
+                self.seen[estimate_key] = max(self.seen.get(estimate_key, 0.0), took)
+        row["seconds"] = round(time.monotonic() - began, 2)
+        self.doc["rows"].append(row)
+        self.write()
+        self.log(f"   {row['status']}" + (f": {row['reason']}" if row.get("reason") else "")
+                 + _summary(row))
+        return row
+
+
+class Skip(Exception):
+    """A row that cannot run here, with the reason."""
+
+
+def _json_default(obj):
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    return str(obj)
+
+
+def _summary(row: dict) -> str:
+    if row.get("status") != "ok":
+        return ""
+    if "ms_per_step" in row:
+        mfu = f", MFU {row['mfu']:.1%}" if row.get("mfu") else ""
+        return f"  {row['ms_per_step']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s{mfu}"
+    if "fwd_bwd_ms" in row:
+        return f"  f+b {row['fwd_bwd_ms']:.3f} ms ({row.get('ratio') or float('nan'):.2f}x)"
+    if "ms_fwd_bwd" in row:
+        return f"  f+b {row['ms_fwd_bwd']:.1f} ms (ours {row['ours_ms_fwd_bwd']:.1f})"
+    if "passed" in row:
+        return f"  passed={row['passed']}"
+    return ""
+
+
+def _release() -> None:
+    from depthmix.pretrain.parallelize import destroy_model_parallel
+
+    try:
+        destroy_model_parallel()
+    except Exception:  # noqa: BLE001 -- nothing was initialised
+        pass
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------
+# The machine
+# ---------------------------------------------------------------------------------------
+
+
+def _version(dist: str) -> Optional[str]:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(git_file: str) -> tuple:
+    """``(commit, dirty)`` of this checkout, from git or, where the tree came without
+    ``.git`` (the GPU machine), from ``git_file`` (``<commit> [dirty]``, written by the
+    preparation command in docs/benchmarks.md)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True, timeout=10, cwd=REPO).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=30,
+                                    cwd=REPO).stdout.strip())
+        return commit, dirty
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        words = open(os.path.join(REPO, git_file)).read().split()
+        return words[0], len(words) > 1 and words[1] == "dirty"
+    except (OSError, IndexError):
+        return "unknown", None
+
+
+def environment(git_file: str) -> dict:
+    from depthmix.planning import hardware
+    from depthmix.planning.planner import GPU_KINDS
+    import platform
+
+    import triton
+
+    cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    table = hardware.device_named(name) if cuda else None
+    kind = next((k for k, v in GPU_KINDS.items() if table and v.name == table.name), None)
+    driver = None
+    if cuda:
+        try:
+            driver = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            driver = None
+    commit, dirty = _git(git_file)
+    return {
+        "device": name, "device_kind": kind, "device_table": table.name if table else None,
+        "driver": driver,
+        "memory_gib": (torch.cuda.get_device_properties(0).total_memory / GIB if cuda
+                       else None),
+        "peak_tflops": table.tflops.get("bf16") if table else None,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+        "megatron_core": _version("megatron-core"), "transformers": _version("transformers"),
+        "fla": _version("fla-core"), "python": platform.python_version(),
+        "git_commit": commit, "git_dirty": dirty,
+    }
+
+
+def train_options() -> dict:
+    """Which fast-path switches this checkout's ``TrainConfig`` has."""
+    from depthmix.config.schema import TrainConfig
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {k: k.split(".", 1)[1] in names for k in FAST_PATHS}
+
+
+# ---------------------------------------------------------------------------------------
+# One training step, measured
+# ---------------------------------------------------------------------------------------
+
+
+class Shape(NamedTuple):
+    preset: str
+    layers: int
+    seq: int
+    micro_batch: int
+    precision: str
+    model_options: tuple = ()
+
+    def overrides(self) -> List[str]:
+        return [f"model={self.preset}", f"model.num_layers={self.layers}",
+                f"model.seq_length={self.seq}", f"train.micro_batch_size={self.micro_batch}",
+                f"train.global_batch_size={self.micro_batch}",
+                f"train.precision={self.precision}", *self.model_options]
+
+
+def settings_overrides(settings: dict, options: dict) -> List[str]:
+    """Overrides for ``settings``; :class:`Skip` when one needs a switch this checkout
+    lacks (a switch at its no-override value is left out)."""
+    out = []
+    for key, value in settings.items():
+        if options.get(key):
+            out.append(f"{key}={value}")
+        elif value != FAST_PATHS[key]:
+            raise Skip(f"{key} does not exist in this checkout (another change adds it)")
+    return out
+
+
+def compose(shape: Shape, mixer: str, impl: Optional[str], settings: dict, options: dict,
+            extra=()):
+    from depthmix.config.load import compose_run
+
+    overrides = [*shape.overrides(), f"mixer={mixer}", "logger=none",
+                 *settings_overrides(settings, options), *extra]
+    if impl:
+        overrides.append(f"mixer.impl={impl}")
+    return compose_run(*overrides), overrides
+
+
+def fits(run, env: dict) -> Optional[str]:
+    """None, or why the memory model says ``run`` does not fit this GPU."""
+    from depthmix.planning import memory
+
+    if not env.get("memory_gib"):
+        return None
+    need = max(r.total_bytes for r in memory.estimate(run, 1)) / GIB
+    budget = env["memory_gib"] - memory.RESERVE_GIB
+    if need > budget:
+        return f"does not fit: the memory model needs {need:.1f} GiB of {budget:.1f} GiB"
+    return None
+
+
+def profile_call(call: Callable[[], object]) -> dict:
+    """One call under ``torch.profiler`` after one profiled warm-up call: host time (the
+    operators' own CPU time), GPU kernel time and that time by category (by kernel name,
+    :data:`PROFILE_RULES`)."""
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        for _ in range(2):
+            call()
+            sync()
+            prof.step()
+    host = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e3
+    categories = {c: 0.0 for c in gpu_runs.CATEGORIES}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        cat = next((c for c, rule in PROFILE_RULES if re.search(rule, name)), "other")
+        categories[cat] += e.self_device_time_total / 1e3
+    return {"host_ms": round(host, 3), "kernel_ms": round(sum(categories.values()), 3),
+            "categories_ms": {k: round(v, 3) for k, v in categories.items()}}
+
+
+def _dynamo_counts() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values())}
+
+
+def measure_step(run, overrides: List[str], mode: str, settings: dict, steps: int,
+                 warmup: int, profile: bool, after: Optional[Callable] = None) -> dict:
+    """Build a trainer for ``run`` (synthetic data), step it ``warmup`` + ``steps`` times and
+    describe the timed steps as a run-file row; ``after(trainer)`` runs before it goes."""
+    from depthmix.planning.flops import device_peak_tflops, flops_per_token
+    from depthmix.pretrain.trainer import Trainer
+    from depthmix.testing import SyntheticData
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if mode == "compiled+graphs":  # CUDA-graph trees warm up, record, then replay
+        warmup = max(warmup, 3)
+    trainer = Trainer(run, data=SyntheticData(run), callbacks=[])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    before = _dynamo_counts()
+    times, losses, first = [], [], None
+    for i in range(warmup + steps):
+        sync()
+        t0 = time.perf_counter()
+        result = trainer.train_one_step()
+        sync()
+        elapsed = time.perf_counter() - t0
+        first = elapsed if first is None else first
+        losses.append(result.loss)
+        if i >= warmup:
+            times.append(elapsed)
+    dynamo = {k: v - before[k] for k, v in _dynamo_counts().items()}
+    peak = torch.cuda.max_memory_allocated() / GIB if cuda else None
+    t = statistics.median(times)
+    m = run.model
+    tokens = run.train.global_batch_size * m.seq_length
+    f = flops_per_token(run, trainer.config)
+    causal = f["train"] - 3 * f["attention"] / 2
+    peak_tflops = device_peak_tflops(run, torch.cuda.get_device_name() if cuda else None)
+    tflops = f["train"] * tokens / t / 1e12
+    mixer = run.mixer.name if run.mixer is not None else "vanilla"
+    row = {
+        "kind": "step",
+        "model": {"preset": m.name, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                  "ffn_hidden_size": m.ffn_hidden_size,
+                  "num_attention_heads": m.num_attention_heads,
+                  "num_query_groups": m.num_query_groups, "kv_channels": m.kv_channels,
+                  "seq_length": m.seq_length, "vocab_size": m.padded_vocab_size},
+        "mixer": mixer, "impl": run.mixer.impl if mixer != "vanilla" else None,
+        "mixer_options": gpu_runs.mixer_options(run) if mixer != "vanilla" else {},
+        "mode": mode, "micro_batch": run.train.micro_batch_size,
+        "precision": run.train.precision, "settings": settings, "overrides": overrides,
+        "params": sum(p.numel() for chunk in trainer.model for p in chunk.parameters()),
+        "steps": steps, "warmup": warmup, "ms_per_step": t * 1e3,
+        "ms_all": [round(x * 1e3, 3) for x in times], "first_step_s": round(first, 3),
+        "losses": losses, "tokens_per_s": tokens / t, "flops_per_token": f["train"],
+        "flops_per_token_causal": causal, "peak_tflops": peak_tflops, "tflops": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "mfu_causal": causal * tokens / t / 1e12 / peak_tflops if peak_tflops else None,
+        "peak_memory_gib": peak, "dynamo": dynamo, "profile": None,
+    }
+    if not all(x == x and abs(x) != float("inf") for x in losses):
+        raise RuntimeError(f"non-finite loss: {losses}")
+    if profile:
+        try:
+            row["profile"] = profile_call(trainer.train_one_step)
+        except Exception as e:  # noqa: BLE001 -- e.g. the profiler and CUDA graphs
+            row["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if after is not None:
+        after(trainer)
+    del trainer
+    return row
+
+
+# ---------------------------------------------------------------------------------------
+# Parts
+# ---------------------------------------------------------------------------------------
+
+
+class Matrix:
+    """The fixed matrix of a GPU run, or of the smoke run."""
+
+    def __init__(self, args, env: dict):
+        self.smoke = args.smoke
+        self.steps = args.steps or (1 if args.smoke else 4)
+        self.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
+        self.precision = "fp32" if args.smoke else "bf16"
+        if args.smoke:
+            self.presets = [("tiny", [4])]
+            self.seq = 64
+            self.micro_batches = [1, 2]  # compiled rows left out: inductor takes a minute here
+            self.vanilla_modes = {1: ["eager", "compiled+graphs"], 2: ["eager"]}
+            self.mixers = ("depth_attn", "ddl")
+            self.mixer_modes = ["eager"]
+            self.mixer_shape = ("tiny", 4)
+        else:
+            self.presets = [("1p5b", [48]), ("3b", [48, 36, 24, 12])]
+            self.seq = 2048
+            self.micro_batches = [1, 2, 4, 8]
+            modes = ["eager", "compiled", "compiled+graphs"]
+            self.vanilla_modes = {mb: modes for mb in self.micro_batches}
+            self.mixers = MIXERS
+            self.mixer_modes = ["eager", "compiled"]
+            self.mixer_shape = ("1p5b", args.mixer_layers)
+        self.model_options = ()
+
+
+def run_vanilla(rf: RunFile, mx: Matrix, env: dict, options: dict) -> None:
+    cuda = torch.cuda.is_available()
+    for preset, depths in mx.presets:
+        layers = depths[0]
+        if len(depths) > 1:  # the most layers that fit at micro-batch 1
+            for depth in depths:
+                run, _ = compose(Shape(preset, depth, mx.seq, 1, mx.precision), "vanilla",
+                                 None, MODE_SETTINGS["eager"], options)
+                layers = depth
+                if fits(run, env) is None:
+                    break
+        for mode in ("eager", "compiled", "compiled+graphs"):
+            for mb in mx.micro_batches:
+                if mode not in mx.vanilla_modes.get(mb, []):
+                    continue
+                shape = Shape(preset, layers, mx.seq, mb, mx.precision, mx.model_options)
+                row_id = f"vanilla/{preset}-L{layers}/mb{mb}/{mode}"
+
+                def measure(shape=shape, mode=mode):
+                    if mode == "compiled+graphs" and not cuda:
+                        raise Skip("CUDA graphs need a GPU")
+                    settings = dict(MODE_SETTINGS[mode])
+                    run, overrides = compose(shape, "vanilla", None, settings, options)
+                    why = fits(run, env)
+                    if why:
+                        raise Skip(why)
+                    return measure_step(run, overrides, mode, settings, mx.steps, mx.warmup,
+                                        profile=shape.micro_batch == mx.micro_batches[
+                                            min(1, len(mx.micro_batches) - 1)])
+
+                rf.row("vanilla", row_id, mode, measure)
+    if mx.smoke:
+        return
+    best = best_vanilla(rf.doc)
+    mb = best["micro_batch"] if best else 2
+    shape = Shape("1p5b", 48, mx.seq, mb, mx.precision)
+
+    def unfused():
+        settings = {**MODE_SETTINGS["compiled"], **UNFUSED}
+        run, overrides = compose(shape, "vanilla", None, settings, options)
+        return measure_step(run, overrides, "compiled", settings, mx.steps, mx.warmup, False)
+
+    rf.row("vanilla", f"vanilla/1p5b-L48/mb{mb}/compiled/unfused", "compiled", unfused)
+
+
+def best_vanilla(doc: dict, preset: Optional[str] = None) -> Optional[dict]:
+    """The vanilla row with the most tokens/s (of ``preset``'s rows, default the first
+    preset measured), its fast paths at their defaults."""
+    rows = [r for r in gpu_runs.step_rows(doc, "vanilla") if not r["id"].endswith("/unfused")]
+    if preset is None and rows:
+        preset = rows[0]["model"]["preset"]
+    rows = [r for r in rows if r["model"]["preset"] == preset]
+    return max(rows, key=lambda r: r["tokens_per_s"]) if rows else None
+
+
+def run_mixers(rf: RunFile, mx: Matrix, env: dict, options: dict):
+    from depthmix.kernels.roofline import step_extra_floor
+    from depthmix.mixers import get_mixer
+    from depthmix.planning import hardware
+
+    best = best_vanilla(rf.doc)
+    mb = best["micro_batch"] if best else (1 if mx.smoke else 2)
+    graphs = bool(best) and best["mode"] == "compiled+graphs"
+    rf.doc["parts"]["mixers"]["setting"] = {
+        "micro_batch": mb, "compiled_mode": "compiled+graphs" if graphs else "compiled",
+        "from": best["id"] if best else "no vanilla row: the default micro-batch"}
+    preset, layers = mx.mixer_shape
+    shape = Shape(preset, layers, mx.seq, mb, mx.precision, mx.model_options)
+    device = hardware.device_named(env["device"]) if env.get("device_kind") else None
+    floor_device = device or hardware.H100  # CPU: the arithmetic only, on the H100's numbers
+    modes = ["compiled+graphs" if (m == "compiled" and graphs) else m for m in mx.mixer_modes]
+    vanilla_ms: Dict[str, float] = {}
+
+    def settings_of(mode):
+        return dict(MODE_SETTINGS[mode])
+
+    def step(mixer, impl, mode, after=None):
+        def measure():
+            if mode == "compiled+graphs" and not torch.cuda.is_available():
+                raise Skip("CUDA graphs need a GPU")
+            settings = settings_of(mode)
+            run, overrides = compose(shape, mixer, impl, settings, options)
+            row = measure_step(run, overrides, mode, settings, mx.steps, mx.warmup,
+                               profile=True, after=after)
+            if mixer == "vanilla":
+                vanilla_ms[mode] = row["ms_per_step"]
+                return row
+            floor = step_extra_floor(run, floor_device)
+            row["extra_floor"] = {**floor.as_dict(), "device_measured": device is not None}
+            base = vanilla_ms.get(mode)
+            row["vanilla_ms"] = base
+            if base is not None:
+                row["budget_ms"] = base + 1.5 * floor.seconds * 1e3
+                row["within_floor_budget"] = row["ms_per_step"] <= row["budget_ms"]
+            return row
+        return measure
+
+    # vanilla beside the mixers, each mode, and Hugging Face's Qwen3 against it (eager and
+    # compiled: timed outside the trainer, layers under CUDA graphs would need its step marks)
+    for mode in dict.fromkeys([*mx.mixer_modes, *modes]):
+        after = (lambda trainer, mode=mode: peers(rf, mx, trainer, mode)) if mode in (
+            "eager", "compiled") else None
+        rf.row("mixers", f"mixers/vanilla/torch/{mode}", mode, step("vanilla", None, mode,
+                                                                    after))
+    order = [(m, i, mode) for mode in modes for i in ("torch", "triton") for m in mx.mixers]
+    if not mx.smoke:  # the eager rows of every mixer first, then the compiled ones
+        order = ([o for o in order if o[2] == "eager"]
+                 + [o for o in order if o[2] != "eager" and o[1] == "triton"]
+                 + [o for o in order if o[2] != "eager" and o[1] == "torch"])
+    for mixer, impl, mode in order:
+        row_id = f"mixers/{mixer}/{impl}/{mode}"
+        if impl == "triton" and not get_mixer(mixer).kernels:
+            if rf.wanted(row_id):
+                rf.doc["rows"] = [r for r in rf.doc["rows"] if r["id"] != row_id]
+                rf.doc["rows"].append({"part": "mixers", "id": row_id, "status": "skipped",
+                                       "reason": "no Triton kernels: the torch row is it",
+                                       "seconds": 0.0})
+                rf.write()
+            continue
+        rf.row("mixers", row_id, mode, step(mixer, impl, mode))
+
+
+def peers(rf: RunFile, mx: Matrix, trainer, mode: str) -> None:
+    """Hugging Face's Qwen3 (SDPA) forward + backward beside our vanilla model's, at the
+    trainer's shape; compiled like ours (each decoder layer) in the compiled modes."""
+    from depthmix.megatron_ext.model import unwrap
+    from depthmix.peers import compile_hf_layers, hf_qwen3, time_forward_backward
+
+    def measure():
+        run = trainer.run
+        hf = hf_qwen3(run, trainer.config.kv_channels)
+        if hf is None:
+            raise Skip("transformers is not installed")
+        name, model, loss_fn = hf
+        ours = unwrap(trainer.model[0])
+        device = next(ours.parameters()).device
+        model.to(device)
+        if mode != "eager":
+            compile_hf_layers(model)
+        x = torch.randint(0, run.model.vocab_size, (run.train.micro_batch_size,
+                                                   run.model.seq_length), device=device)
+        pos = torch.arange(run.model.seq_length, device=device).expand_as(x)
+        pair = [("ours", ours, lambda x, pos: ours(x, pos, labels=x).sum()),
+                (name, model, loss_fn)]
+        times = time_forward_backward(pair, (x, pos), mx.steps + 1, mx.warmup)
+        cuda = torch.cuda.is_available()
+        m = run.model
+        row = {"kind": "peer", "peer": "HF Qwen3 (SDPA)", "mode": mode,
+               "model": {"preset": m.name, "num_layers": m.num_layers,
+                         "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
+                         "num_attention_heads": m.num_attention_heads,
+                         "num_query_groups": m.num_query_groups, "kv_channels": m.kv_channels,
+                         "seq_length": m.seq_length, "vocab_size": m.padded_vocab_size},
+               "micro_batch": run.train.micro_batch_size, "precision": run.train.precision,
+               "ms_fwd_bwd": times[name] * 1e3, "ours_ms_fwd_bwd": times["ours"] * 1e3,
+               "params": sum(p.numel() for p in model.parameters()),
+               "transformers": _version("transformers"), "profile": None}
+        try:
+            row["profile"] = profile_call(lambda: (loss_fn(x, pos).backward(),
+                                                   model.zero_grad(set_to_none=True)))
+        except Exception as e:  # noqa: BLE001
+            row["profile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if cuda:
+            torch.cuda.synchronize()
+        ours.zero_grad(set_to_none=True)
+        return row
+
+    rf.row("mixers", f"mixers/peer/hf_qwen3/{mode}", "peer", measure, release=False)
+
+
+def _tool(name: str):
+    """A script of ``tools/`` as a module (its ``__main__`` block does not run)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_CASE = re.compile(r"T(\d+)-G(\d+)-hd(\d+)-D(\d+)(?:-np(\d+))?")
+
+
+def run_kernels(rf: RunFile, mx: Matrix, env: dict) -> None:
+    """MoDA's kernels (``ours``, and ``fused`` where the bench has it) against the case's
+    plain attention, forward + backward, with the full kernel's roofline floor and, where
+    the bench defines it, the depth floor target ``ours <= baseline + 1.3 x depth floor``."""
+    from depthmix import kernels
+    from depthmix.planning import hardware
+
+    bench = _tool("bench_kernels")
+    moda = kernels.bench("moda_attention")
+    device = hardware.device_named(env["device"]) if env.get("device_kind") else None
+    reps, warmup = (1, 0) if mx.smoke else (5, 2)
+    for case in moda.cases(mx.smoke):
+        label = case.shape
+        if not mx.smoke and not (label.startswith("moda/paper") or "-G4-" in label):
+            continue
+        key = re.sub(r" \(depth floor[^)]*\)", "", label)  # the id: no device's numbers
+        floor = depth_floor = None
+        shape = _CASE.search(label)
+        if shape and device is not None:
+            t, g, hd, depth, heads = (int(x) if x else None for x in shape.groups())
+            heads = heads or moda.NUM_HEADS
+            floor = sum(w.floor(device)[0] for w in moda._work(t, heads, g, hd, depth)) * 1e3
+            if hasattr(moda, "depth_floor"):
+                dtype = torch.float32 if label.endswith("fp32") else torch.bfloat16
+                depth_floor = moda.depth_floor(moda.Shape(t, heads, g, hd, depth, dtype),
+                                               device) * 1e3
+        names = [case.baseline] + [n for n in ("ours", "fused") if n in case.candidates]
+        baseline_ms: Dict[str, float] = {}
+        for name in names:
+            def measure(name=name, case=case, floor=floor, depth_floor=depth_floor):
+                fn = case.candidates[name]
+                fwd, _ = bench.measure(fn, case.make_inputs, False, reps, warmup)
+                both, peak = bench.measure(fn, case.make_inputs, True, reps, warmup)
+                if name == case.baseline:
+                    baseline_ms[key] = both * 1e3
+                base = baseline_ms.get(key)
+                row = {"kind": "kernel", "op": "moda_attention", "case": label,
+                       "candidate": name, "baseline": case.baseline,
+                       "fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3,
+                       "ratio": both * 1e3 / base if base else None,
+                       "peak_mib": peak / 2 ** 20, "floor_ms": floor,
+                       "depth_floor_ms": depth_floor, "reps": reps}
+                if name == "ours" and base is not None and depth_floor is not None:
+                    row["target_ms"] = base + 1.3 * depth_floor
+                    row["within_target"] = both * 1e3 <= row["target_ms"]
+                return row
+            rf.row("kernels", f"kernels/{key}/{name}", "kernel", measure)
+
+
+def run_checks(rf: RunFile, mx: Matrix, options: dict) -> None:
+    from depthmix.mixers import get_mixer
+
+    rf.row("checks", "checks/async_resume", "check", lambda: async_resume(mx, options))
+    for mixer in (KERNEL_MIXERS_SMOKE if mx.smoke else MIXERS):
+        row_id = f"checks/triton_vs_torch/{mixer}"
+        if not get_mixer(mixer).kernels:
+            continue
+        rf.row("checks", row_id, "check",
+               lambda mixer=mixer: triton_vs_torch(mx, mixer, options))
+
+
+def _check_shape(mx: Matrix, layers: int = 4) -> Shape:
+    """The checks' model: the 1.5B widths (the kernels' head dims) at a few layers and a
+    small vocabulary (checkpoints of ~1 GB, not 16)."""
+    if mx.smoke:
+        return Shape("tiny", 4, 32, 2, "fp32", mx.model_options)
+    return Shape("1p5b", layers, 1024, 2, "bf16", ("model.vocab_size=8192",))
+
+
+def _children() -> List[int]:
+    """Processes forked by this one (Linux)."""
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            pids += [int(p) for p in open(f"/proc/self/task/{task}/children").read().split()]
+        except OSError:
+            pass
+    return pids
+
+
+def _gpu_pids() -> Optional[List[int]]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return [int(x) for x in out.split() if x.strip().isdigit()]
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def async_resume(mx: Matrix, options: dict) -> dict:
+    """A: 6 steps, background saves every 3 (and the final one); B: from A's step-3
+    checkpoint to step 6 in a fresh trainer; C: 6 steps, no saves. B's losses and final
+    weights must equal A's bit for bit; C shows whether the steps are deterministic at all
+    (if not, a mismatch of B is not the checkpoint's). While A's step-3 write is held
+    in flight (``DEPTHMIX_CKPT_WRITER_DELAY``), its writer must not be a GPU process."""
+    from depthmix.checkpoint.store import step_dir
+    from depthmix.megatron_ext.model import unwrap
+    from depthmix.pretrain.callbacks import Callback, CheckpointCallback
+    from depthmix.pretrain.trainer import Trainer
+    from depthmix.testing import SyntheticData
+
+    shape = _check_shape(mx, layers=2)
+    cuda = torch.cuda.is_available()
+    root = tempfile.mkdtemp(prefix="gpu_bench_ckpt_")
+    probe: dict = {}
+
+    class Losses(Callback):
+        def __init__(self):
+            self.losses = {}
+
+        def post_step(self, trainer, result):
+            self.losses[trainer.step] = float(result.loss).hex()
+
+    class WriterProbe(Callback):
+        def post_step(self, trainer, result):
+            if trainer.step == 3:  # the checkpoint callback (before this one) forked a writer
+                probe["writers"] = _children()
+                probe["gpu_pids"] = _gpu_pids() if cuda else None
+                probe["trainer_pid"] = os.getpid()
+
+    def train(name, extra, callbacks):
+        run, _ = compose(shape, "vanilla", None, MODE_SETTINGS["eager"], options,
+                         ["train.steps=6", "train.eval_interval=0", "train.log_interval=1",
+                          "train.keep_last=0", f"output_dir={os.path.join(root, name)}",
+                          *extra])
+        losses = Losses()
+        trainer = Trainer(run, data=SyntheticData, callbacks=[losses, *callbacks])
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        weights = {k: v.detach().to("cpu", copy=True)
+                   for k, v in unwrap(trainer.model[0]).state_dict().items()
+                   if isinstance(v, torch.Tensor)}
+        facts = {"resumed_from": trainer.state.resumed_from}
+        del trainer
+        _release()
+        return losses.losses, weights, facts
+
+    delay = os.environ.get("DEPTHMIX_CKPT_WRITER_DELAY")
+    os.environ["DEPTHMIX_CKPT_WRITER_DELAY"] = "1.0"
+    try:
+        a, wa, _ = train("A", ["train.save_interval=3", "train.async_save=true",
+                               f"train.save_dir={os.path.join(root, 'A_ckpt')}"],
+                         [CheckpointCallback(), WriterProbe()])
+    finally:
+        if delay is None:
+            os.environ.pop("DEPTHMIX_CKPT_WRITER_DELAY", None)
+        else:
+            os.environ["DEPTHMIX_CKPT_WRITER_DELAY"] = delay
+    b, wb, fb = train("B", [f"train.load_dir={step_dir(os.path.join(root, 'A_ckpt'), 3)}",
+                            f"train.save_dir={os.path.join(root, 'B_ckpt')}"],
+                      [CheckpointCallback()])
+    c, wc, _ = train("C", ["train.save_interval=0"], [])
+    same_losses = [b.get(s) == a.get(s) for s in (4, 5, 6)]
+    same_weights = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    deterministic = a == c and all(torch.equal(wa[k], wc[k]) for k in wa)
+    writers = [p for p in probe.get("writers", []) if p != probe.get("trainer_pid")]
+    gpu = probe.get("gpu_pids")
+    if gpu is None:
+        writer_on_gpu = None  # no GPU, or nvidia-smi cannot tell
+    elif probe.get("trainer_pid") not in gpu and not any(p in gpu for p in writers):
+        writer_on_gpu = None  # nvidia-smi shows other pids (a container): inconclusive
+    else:
+        writer_on_gpu = any(p in gpu for p in writers)
+    import shutil
+
+    shutil.rmtree(root, ignore_errors=True)
+    passed = all(same_losses) and same_weights and not writer_on_gpu and bool(writers)
+    return {"kind": "check", "check": "async_resume", "passed": passed,
+            "details": {"losses_A": a, "losses_B": b, "losses_C": c,
+                        "resumed_steps_equal": same_losses, "final_weights_equal": same_weights,
+                        "uninterrupted_runs_equal": deterministic,
+                        "writer_pids": writers, "gpu_pids_during_write": gpu,
+                        "writer_on_gpu": writer_on_gpu, "resumed_from": fb["resumed_from"],
+                        "shape": shape._asdict()}}
+
+
+def triton_vs_torch(mx: Matrix, mixer: str, options: dict) -> dict:
+    """The same steps with ``mixer.impl=torch`` and ``triton``: the losses must agree
+    within the precision's rounding (bf16: 2e-2; fp32: 1e-4)."""
+    from depthmix.pretrain.trainer import Trainer
+    from depthmix.testing import SyntheticData
+
+    shape = _check_shape(mx)
+    steps = 2 if mx.smoke else 3
+    losses = {}
+    for impl in ("torch", "triton"):
+        run, _ = compose(shape, mixer, impl, MODE_SETTINGS["eager"], options)
+        trainer = Trainer(run, data=SyntheticData(run), callbacks=[])
+        losses[impl] = [trainer.train_one_step().loss for _ in range(steps)]
+        del trainer
+        _release()
+    diff = max(abs(a - b) for a, b in zip(losses["torch"], losses["triton"]))
+    tolerance = 1e-4 if shape.precision == "fp32" else 2e-2
+    return {"kind": "check", "check": f"triton_vs_torch/{mixer}",
+            "passed": bool(diff <= tolerance),
+            "details": {"losses": losses, "max_abs_diff": diff, "tolerance": tolerance,
+                        "shape": shape._asdict()}}
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():  # before any kernel module is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from depthmix import runtime
+    from depthmix.runtime import log as run_log
+
+    run_log.quiet_libraries(verbose=False)
+    runtime.install()
+    out = args.out or os.environ.get("OUT") or "gpu-run"
+    env = environment(args.git_file)
+    options = train_options()
+    rf = RunFile(args, out, env, options)
+    rf.log(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | "
+           f"megatron-core {env['megatron_core']} | commit {env['git_commit']}"
+           f"{' (dirty)' if env['git_dirty'] else ''} | fast paths: "
+           + ", ".join(f"{k}={'yes' if v else 'absent'}" for k, v in options.items()))
+    mx = Matrix(args, env)
+    parts = PARTS if args.part == "all" else (args.part,)
+    for part in parts:
+        rf.start_part(part)
+        try:
+            if part == "vanilla":
+                run_vanilla(rf, mx, env, options)
+            elif part == "mixers":
+                run_mixers(rf, mx, env, options)
+            elif part == "kernels":
+                run_kernels(rf, mx, env)
+            else:
+                run_checks(rf, mx, options)
+            rf.end_part(part)
+        except Exception as e:  # noqa: BLE001 -- a part that breaks leaves the others
+            with open(rf.log_path, "a") as f:
+                traceback.print_exc(file=f)
+            rf.end_part(part, "skipped", f"{type(e).__name__}: {str(e)[:300]}")
+            rf.log(f"part {part} broke: {type(e).__name__}: {e}")
+    rows = rf.doc["rows"]
+    counts = {s: sum(r["status"] == s for r in rows) for s in gpu_runs.ROW_STATES}
+    rf.log(f"== {len(rows)} rows: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+           + f"; {time.monotonic() - rf.began:.0f} s; {rf.path}")
+    problems = gpu_runs.validate(rf.doc)
+    for p in problems:
+        rf.log(f"schema: {p}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
