@@ -269,10 +269,27 @@ class TrainConfig:
     """``true``: ``torch.compile`` each transformer layer (regional compilation,
     :mod:`depthmix.pretrain.compile`); ``false``: eager; ``auto``: on where CUDA is, off on
     CPU (where inductor's compile time rarely pays off)."""
+    fused_optimizer: str = "auto"
+    """``true``: the optimizer step without per-tensor host work (torch's fused AdamW, the
+    fp32-to-model weight copy as one multi-tensor op, the gradient norm and clipping on the
+    device with one host read per step; :mod:`depthmix.pretrain.optim`); ``false``:
+    Megatron-Core's fallbacks without Transformer Engine/Apex (``torch.optim.AdamW``, one
+    copy and one norm per parameter tensor); ``auto``: on where CUDA is, off on CPU."""
+    fused_cross_entropy: str = "auto"
+    """``true``: output layer and cross-entropy in one chunked pass that never holds the full
+    ``[tokens, vocab]`` logits (recomputed per chunk in backward;
+    :mod:`depthmix.megatron_ext.loss`); ``false``: Megatron's vocab-parallel cross-entropy on
+    the full fp32 logits; ``auto``: on where CUDA is, off on CPU."""
+    cuda_graphs: bool = False
+    """CUDA graphs around each compiled layer (``torch.compile`` mode ``reduce-overhead``:
+    launches replayed from recorded graphs, no per-kernel host work). Needs a GPU and
+    ``train.compile`` on."""
 
     def __post_init__(self):
         # the command line's true/false arrive as the strings "True"/"False"
         self.compile = str(self.compile).lower()
+        self.fused_optimizer = str(self.fused_optimizer).lower()
+        self.fused_cross_entropy = str(self.fused_cross_entropy).lower()
     profile_steps: Optional[list[int]] = None
     """``[first, last]``: record a torch profiler trace of these steps (inclusive) into
     ``<output_dir>/profile/`` (Chrome trace JSON per rank; on CUDA also a memory snapshot)."""

@@ -25,6 +25,8 @@ NONFINITE_POLICIES = ("skip", "stop", "rollback")
 SPIKE_POLICIES = ("log", "skip", "rollback")
 CKPT_INTEGRITY = ("checksum", "size", "off")
 COMPILE_MODES = ("auto", "true", "false")
+FAST_PATH_MODES = ("auto", "true", "false")
+"""``train.fused_optimizer`` / ``train.fused_cross_entropy``: ``auto`` is on where CUDA is."""
 
 CHOICES = {
     "model.norm_position": ("pre", "post"),
@@ -37,6 +39,8 @@ CHOICES = {
     "train.on_spike": SPIKE_POLICIES,
     "train.ckpt_integrity": CKPT_INTEGRITY,
     "train.compile": COMPILE_MODES,
+    "train.fused_optimizer": FAST_PATH_MODES,
+    "train.fused_cross_entropy": FAST_PATH_MODES,
 }
 """Allowed values of the string options of the config groups (mixers: ``MixerConfig.CHOICES``)."""
 FREE_TEXT = frozenset({
@@ -251,6 +255,9 @@ def validate_train(run: RunConfig) -> None:
     if t.spike_zscore is not None:
         _positive("train.spike_zscore", t.spike_zscore)
     _at_least("train.spike_window", t.spike_window, 2)
+    # the fast path (docs/operations.md); a GPU's presence is preflight's check
+    _require(not t.cuda_graphs or t.compile != "false",
+             "train.cuda_graphs=true needs train.compile=true (it graphs the compiled layers)")
 
 
 def validate_logger(run: RunConfig) -> None:

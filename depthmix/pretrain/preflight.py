@@ -8,7 +8,8 @@ the checks that touch files:
 * checkpoints (:mod:`depthmix.checkpoint.store`): the save directory exists as a writable
   directory or can be created; the checkpoint a run would resume fits its configuration;
 * compilation (``train.compile=true``): a recent enough torch, a C++ compiler for inductor
-  on CPU, and no option the compiled layers cannot run.
+  on CPU, and no option the compiled layers cannot run;
+* CUDA graphs (``train.cuda_graphs=true``): a GPU.
 
 Each failure is a :class:`ConfigError` naming the option. Nothing here imports torch or
 Megatron, and nothing is written.
@@ -33,6 +34,7 @@ def preflight(run: RunConfig, world_size: int, data: bool = True) -> None:
         check_data(run)
     check_save_dir(run)
     check_compile(run)
+    check_cuda_graphs(run)
     preflight_checkpoint(run)  # a checkpoint of another configuration is refused here
 
 
@@ -60,6 +62,15 @@ def check_compile(run: RunConfig) -> None:
     if not _has_cuda_device() and not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
         raise ConfigError("train.compile=true on CPU needs a C++ compiler for inductor (none "
                           "of c++, g++, clang++ on PATH); set train.compile=false")
+
+
+def check_cuda_graphs(run: RunConfig) -> None:
+    """``train.cuda_graphs=true`` records CUDA graphs of the compiled layers: refused without
+    a GPU (where ``train.compile=auto`` is on; ``train.compile=false`` is refused by
+    :func:`~depthmix.config.validate.validate_train`), rather than training without them."""
+    if run.train.cuda_graphs and not _has_cuda_device():
+        raise ConfigError("train.cuda_graphs=true needs a CUDA GPU (none visible); set "
+                          "train.cuda_graphs=false")
 
 
 def _has_cuda_device() -> bool:
