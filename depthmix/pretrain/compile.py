@@ -18,6 +18,20 @@ module, its parameters and its state-dict keys (no ``_orig_mod.`` prefix), so DD
 gradient buckets, the distributed optimizer and checkpoints see the eager model's
 parameters; Float16Module's casts and DDP's hooks stay outside the compiled region, where
 they must run once per step, not per layer.
+
+CUDA graphs (``train.cuda_graphs``) go around the same compiled layers: each is compiled in
+``torch.compile``'s ``reduce-overhead`` mode, whose CUDA-graph trees record the layer's
+forward and backward kernels once and replay them, so a layer's launches cost one graph
+launch of host time. Chosen over Megatron-Core's own CUDA-graph manager
+(``enable_cuda_graph``/``cuda_graph_impl="local"``), which graphs Megatron's
+``TransformerLayer`` by flattening its tensor arguments: a depthmix layer takes a depth state
+(a dict whose entries vary by mixer and layer) and a forward context, and the regional
+compilation above already gives each distinct layer one graph to record. What stays
+outside the graphs, as it must: the pipeline schedule and its communication, DDP's gradient
+hooks (they fire on each parameter's gradient accumulation, after the graphed backward), the
+loss and the optimizer. :func:`step_begin` tells the graph trees where each step starts.
+Only on a GPU (refused at start-up otherwise: :func:`depthmix.pretrain.preflight.
+check_cuda_graphs`); what a GPU run must check is in docs/operations.md ("Fast path").
 """
 
 from __future__ import annotations
@@ -27,6 +41,10 @@ from typing import List
 import torch
 
 from depthmix.config.schema import RunConfig
+
+_graphed = {"on": False}
+"""Whether the layers compiled last (:func:`compile_layers`) record CUDA graphs. Dynamo's
+caches are process-global, and :func:`compile_layers` resets them for each model."""
 
 
 def enabled(run: RunConfig) -> bool:
@@ -38,8 +56,32 @@ def enabled(run: RunConfig) -> bool:
     return mode == "true"
 
 
-def compile_layers(chunks: List[torch.nn.Module]) -> int:
-    """Compile every DepthMixLayer of ``chunks`` in place; returns how many.
+def compile_options(cuda_graphs: bool = False) -> dict:
+    """Keyword arguments of each layer's ``Module.compile``: ``mode="reduce-overhead"``
+    (CUDA-graph trees) with ``cuda_graphs``, else the default mode."""
+    return {"mode": "reduce-overhead"} if cuda_graphs else {}
+
+
+def step_begin() -> None:
+    """A training or evaluation step starts: with CUDA graphs, the graph trees may reuse the
+    memory of the previous step's graph outputs (``torch.compiler.cudagraph_mark_step_begin``).
+    Nothing otherwise."""
+    if _graphed["on"]:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def cuda_graph_skips() -> int:
+    """How many compiled graphs inductor ran without a CUDA graph since the last
+    :func:`compile_layers` (a CPU input, a mutated input, a dynamic shape, ...; its log
+    ``perf_hints`` says which). With ``train.cuda_graphs`` on a GPU this must stay 0."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
+def compile_layers(chunks: List[torch.nn.Module], cuda_graphs: bool = False) -> int:
+    """Compile every DepthMixLayer of ``chunks`` in place (:func:`compile_options`; CUDA
+    graphs with ``cuda_graphs``); returns how many.
 
     Dynamo's limits are raised to what this model needs: each compiled layer may add one
     body to the shared cache of DepthMixLayer.forward, in two variants (with gradients for
@@ -49,11 +91,13 @@ def compile_layers(chunks: List[torch.nn.Module]) -> int:
     job, a test) do not count against this one. (Megatron's default-TP-group warning, which
     would break the graph, is silenced by :class:`depthmix.runtime.patches.QuietTpGroup`.)"""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     from depthmix.megatron_ext.layer import DepthMixLayer
 
     layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, DepthMixLayer)]
     torch._dynamo.reset()
+    counters["inductor"].pop("cudagraph_skips", None)
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 2 * len(layers) + 1)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
@@ -62,6 +106,8 @@ def compile_layers(chunks: List[torch.nn.Module]) -> int:
     # the layer index (ForwardContext.layer) decides a layer's sources: a constant of its
     # body, never a symbolic int (which would break the graph at every f"...{layer}" name)
     config.specialize_int = True
+    options = compile_options(cuda_graphs)
     for layer in layers:
-        layer.compile()
+        layer.compile(**options)
+    _graphed["on"] = cuda_graphs
     return len(layers)

@@ -133,7 +133,7 @@ def build_chunks(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     if compile_enabled(run):  # in place, before the wrappers: see depthmix.pretrain.compile
-        compile_layers(chunks)
+        compile_layers(chunks, cuda_graphs=run.train.cuda_graphs)
     if config.fp16 or config.bf16:
         chunks = [Float16Module(config, m) for m in chunks]
     return chunks
