@@ -35,6 +35,9 @@ class DepthMixConfig(TransformerConfig, DerivedShape):
     output weights)."""
     init_seed: int = 1234
     """Base seed of the layout-invariant initialisation (see ``model.seeded_init``)."""
+    fused_cross_entropy: bool = False
+    """The loss without the full logits (``train.fused_cross_entropy``,
+    :mod:`depthmix.megatron_ext.loss`)."""
 
 
 def to_transformer_config(run: RunConfig):
@@ -48,6 +51,8 @@ def to_transformer_config(run: RunConfig):
     import torch
     import torch.nn.functional as F
     from megatron.core.utils import init_method_normal
+
+    from depthmix.megatron_ext.loss import enabled as fused_loss_enabled
 
     m, p, t = run.model, run.parallel, run.train
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
@@ -107,4 +112,5 @@ def to_transformer_config(run: RunConfig):
         n_loops=m.n_loops,
         tie_embeddings=m.tie_embeddings,
         init_seed=t.seed,
+        fused_cross_entropy=fused_loss_enabled(run),
     )

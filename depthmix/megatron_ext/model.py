@@ -26,6 +26,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 from torch import Tensor
 
 from depthmix.megatron_ext.context import ForwardContext
+from depthmix.megatron_ext.loss import OutputLayer
 from depthmix.planning.depth_plan import DepthPlan, DepthState
 from depthmix.megatron_ext.layer import HIDDEN
 from depthmix.planning.pipeline import PipelineLayout, geometry_of
@@ -221,7 +222,7 @@ class DepthMixModel(LanguageModule):
             with seeded_init(seed + 1):
                 # tied on one stage: no weight of its own; tied across stages: a copy that
                 # setup_embeddings_and_output_layer fills from the first stage's embedding
-                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                self.output_layer = OutputLayer(
                     config.hidden_size, self.vocab_size, config=config,
                     init_method=config.init_method, bias=False, skip_bias_add=False,
                     gather_output=False, tp_group=self.tp_group,
@@ -275,6 +276,9 @@ class DepthMixModel(LanguageModule):
         hidden = self.final_layernorm(self.head(state, ctx))
         weight = (self.shared_embedding_or_output_weight()
                   if self.share_embeddings_and_output_weights else None)
+        if labels is not None and self.config.fused_cross_entropy:  # no full logits
+            loss, _ = self.output_layer(hidden, weight=weight, labels=labels)  # [b, s]
+            return loss
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, vocab/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
