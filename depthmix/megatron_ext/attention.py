@@ -41,6 +41,23 @@ class DepthMixAttentionSubmodules(SelfAttentionSubmodules):
     depth_mixer: Union[ModuleSpec, type] = NoDepthMixer
 
 
+def _sdpa_call(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor]):
+    """The arguments :func:`causal_sdpa` hands SDPA: ``q [b, np, sq, hn]``, ``k/v [b, ng, sk,
+    hn]`` as strided views of the ``[s, b, heads, hn]`` inputs (the head dim stays the
+    contiguous one, which is all the flash and cuDNN kernels ask of a layout; no copy), K/V
+    left at their ``ng`` heads (``enable_gqa``: the kernels read each KV head for its ``G``
+    query heads, nothing is repeated), the mask (None for the causal square: the
+    ``is_causal`` kernels) and ``is_causal``."""
+    sq, sk = query.shape[0], key.shape[0]
+    q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+    k = key.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
+    v = value.permute(1, 2, 0, 3)
+    if mask is None and sq != sk:  # the last sq positions (incremental decoding)
+        pos_q = torch.arange(sk - sq, sk, device=q.device)[:, None]
+        mask = torch.arange(sk, device=q.device)[None, :] <= pos_q
+    return q, k, v, mask, mask is None
+
+
 def causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] = None,
                 mask: Optional[Tensor] = None):
     """Causal attention of the last ``sq`` positions over ``sk >= sq`` keys.
@@ -52,19 +69,23 @@ def causal_sdpa(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float
     :meth:`~depthmix.inference.KVCache.attention_mask`.
     """
     sq, b, np_, hn = query.shape
-    sk = key.shape[0]
-    q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
-    k = key.permute(1, 2, 0, 3)  # [b, ng, sk, hn]
-    v = value.permute(1, 2, 0, 3)
-    if mask is not None:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    elif sq == sk:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        pos_q = torch.arange(sk - sq, sk, device=q.device)[:, None]
-        mask = torch.arange(sk, device=q.device)[None, :] <= pos_q
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    q, k, v, mask, is_causal = _sdpa_call(query, key, value, mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                         scale=scale, enable_gqa=True)
     return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+
+
+def sdpa_backend(query: Tensor, key: Tensor, value: Tensor, scale: Optional[float] = None,
+                 mask: Optional[Tensor] = None):
+    """The kernel SDPA picks for :func:`causal_sdpa` on these inputs (an
+    ``torch.nn.attention.SDPBackend``): ``FLASH_ATTENTION`` or ``CUDNN_ATTENTION`` is the
+    fast path; ``EFFICIENT_ATTENTION`` cannot take GQA and ``MATH`` repeats K/V and
+    materialises the scores. On CPU, ``FLASH_ATTENTION`` is its fused kernel."""
+    from torch.nn.attention import SDPBackend
+
+    q, k, v, mask, is_causal = _sdpa_call(query, key, value, mask)
+    return SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale,
+                                              enable_gqa=True))
 
 
 class SDPACoreAttention(MegatronModule):
