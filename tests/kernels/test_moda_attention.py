@@ -1,6 +1,7 @@
 """``moda_attention`` reference: against explicit loops, its visibility rule, the
 preallocated-buffer (``depth_count``) form the fused kernel uses, decoding, and fp32
-statistics for bf16 inputs. (The fused kernel: ``test_moda_attention_triton.py``.)"""
+statistics for bf16 inputs. (The fused kernel:
+``test_moda_attention_triton.py``; the split path: ``test_moda_attention_split.py``.)"""
 
 import math
 
@@ -66,12 +67,13 @@ def test_reference_matches_loops_fwd_bwd(sq, sk, b, np_, ng, hn, d):
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def test_impl_selects_the_reference_or_the_fused_kernel():
+def test_impl_selects_the_reference_or_the_split_path():
     from depthmix.kernels.dispatch import select
     from depthmix.kernels.moda_attention import moda_attention_triton
+    from depthmix.kernels.moda_attention.split import moda_attention_triton as split
 
     assert select("moda_attention", "torch") is moda_attention_reference
-    assert select("moda_attention", "triton") is moda_attention_triton
+    assert select("moda_attention", "triton") is moda_attention_triton is split
 
 
 def test_visibility_rule():

@@ -1,5 +1,6 @@
-"""The fused MoDA attention kernel (Triton; the interpreter on CPU) against the PyTorch
-reference: the output and all five input gradients, fp32 kernel vs the reference in fp64.
+"""The fused MoDA attention kernel (``moda_attention_fused``, ``mixer.moda_kernel=fused``;
+Triton, the interpreter on CPU) against the PyTorch reference: the output and all five
+input gradients, fp32 kernel vs the reference in fp64.
 
 Axes: group size G (1, 2, 3 = padded to 4, 4, 8, 16), depth D (0 = causal attention, 1,
 several; ``depth_count < D`` on a zero-filled buffer), T = 37 (not a multiple of any tile),
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from depthmix.kernels.dispatch import triton_status
-from depthmix.kernels.moda_attention import moda_attention_reference, moda_attention_triton
+from depthmix.kernels.moda_attention import moda_attention_fused, moda_attention_reference
 from depthmix.kernels.moda_attention.triton import Tiles, default_tiles
 from depthmix.megatron_ext.attention import causal_sdpa
 
@@ -62,7 +63,7 @@ def assert_matches_reference(args, count=None, tol=TOL, tiles_=None, ref_dtype=F
                            dtype=F64)
     out_ref, g_ref = fwd_bwd(moda_attention_reference, upcast(args, ref_dtype), grad_out,
                              depth_count=count)
-    out, grads = fwd_bwd(moda_attention_triton, args, grad_out, depth_count=count,
+    out, grads = fwd_bwd(moda_attention_fused, args, grad_out, depth_count=count,
                          tiles=tiles_)
     assert out.dtype == args[0].dtype and out.shape == out_ref.shape
     torch.testing.assert_close(out.to(F64), out_ref.to(F64), **tol, msg="output")
@@ -100,9 +101,9 @@ def test_no_depth_is_causal_attention(sq, sk):
     plain = causal_sdpa(*[a.detach() for a in args[:3]])
     torch.testing.assert_close(out.detach(), plain, **TOL)
     q, k, v, kd, vd = [a.detach() for a in inputs(sq, sk, 1, 4, 1, 64, 3)]
-    torch.testing.assert_close(moda_attention_triton(q, k, v, kd, vd, 0, tiles=t),
+    torch.testing.assert_close(moda_attention_fused(q, k, v, kd, vd, 0, tiles=t),
                                causal_sdpa(q, k, v), **TOL)
-    torch.testing.assert_close(moda_attention_triton(q, k, v, kd[:, :, :, :0], vd[:, :, :, :0],
+    torch.testing.assert_close(moda_attention_fused(q, k, v, kd[:, :, :, :0], vd[:, :, :, :0],
                                                      tiles=t), causal_sdpa(q, k, v), **TOL)
 
 
@@ -122,17 +123,16 @@ def test_depth_count_on_a_zero_filled_buffer():
     torch.testing.assert_close(out, exact, **TOL)
     for grad in grads[3:]:
         assert grad[:, :, :, count:].abs().max() == 0
-    unmasked = moda_attention_triton(q, k, v, buf_k, buf_v, tiles=t)  # zero keys take mass
+    unmasked = moda_attention_fused(q, k, v, buf_k, buf_v, tiles=t)  # zero keys take mass
     assert not torch.allclose(unmasked, exact, **TOL)
     nan_k, nan_v = buf_k.detach().clone(), buf_v.detach().clone()
     nan_k[:, :, :, count:] = float("nan")
     nan_v[:, :, :, count:] = float("nan")
-    out_nan = moda_attention_triton(q, k, v, nan_k, nan_v, depth_count=count, tiles=t)
+    out_nan = moda_attention_fused(q, k, v, nan_k, nan_v, depth_count=count, tiles=t)
     torch.testing.assert_close(out_nan, exact, **TOL)
 
 
-@pytest.fixture
-def interpreter_bf16_dot(monkeypatch):
+def patch_interpreter_bf16_dot(monkeypatch):
     """Triton 3.9's interpreter stores bf16 as raw uint16 bits and its ``create_dot`` feeds
     those bits to ``np.matmul`` (only fp8 is converted), so bf16 ``tl.dot`` is wrong on CPU.
     Convert bf16 operands to fp32 first (exact; the GPU multiplies bf16 exactly into fp32
@@ -155,6 +155,11 @@ def interpreter_bf16_dot(monkeypatch):
         monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    patch_interpreter_bf16_dot(monkeypatch)
+
+
 @pytest.mark.usefixtures("interpreter_bf16_dot")
 def test_bf16_inputs_against_the_fp32_reference():
     """bf16 inputs, fp32 statistics. Compared with the fp32 reference on the same
@@ -172,8 +177,8 @@ def test_deterministic():
     args = inputs(20, 20, 1, 4, 1, 64, 3)
     grad_out = torch.randn(20, 1, 4 * 64)
     t = tiles(16, 16, 4)
-    out1, g1 = fwd_bwd(moda_attention_triton, args, grad_out, tiles=t)
-    out2, g2 = fwd_bwd(moda_attention_triton, args, grad_out, tiles=t)
+    out1, g1 = fwd_bwd(moda_attention_fused, args, grad_out, tiles=t)
+    out2, g2 = fwd_bwd(moda_attention_fused, args, grad_out, tiles=t)
     assert torch.equal(out1, out2)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
 
@@ -194,15 +199,15 @@ def test_default_tiles_are_valid():
 def test_errors():
     q, k, v, kd, vd = [a.detach() for a in inputs(8, 8, 1, 2, 1, 64, 2)]
     with pytest.raises(ValueError, match="depth_key"):
-        moda_attention_triton(q, k, v, kd[:4], vd[:4])
+        moda_attention_fused(q, k, v, kd[:4], vd[:4])
     with pytest.raises(ValueError, match="go together"):
-        moda_attention_triton(q, k, v, kd, None)
+        moda_attention_fused(q, k, v, kd, None)
     with pytest.raises(TypeError, match="fp32, bf16 or fp16"):
-        moda_attention_triton(*[a.double() for a in (q, k, v, kd, vd)])
+        moda_attention_fused(*[a.double() for a in (q, k, v, kd, vd)])
     big = torch.zeros(8, 1, 2, 320)
     with pytest.raises(ValueError, match="head dims <= 256"):
-        moda_attention_triton(big, big[:, :, :1], big[:, :, :1])
+        moda_attention_fused(big, big[:, :, :1], big[:, :, :1])
     with pytest.raises(ValueError, match="power of two"):
-        moda_attention_triton(q, k, v, kd, vd, tiles=Tiles(24, 16, 16, 8, 16, 16))
+        moda_attention_fused(q, k, v, kd, vd, tiles=Tiles(24, 16, 16, 8, 16, 16))
     with pytest.raises(ValueError, match=">= 16 columns"):
-        moda_attention_triton(q, k, v, kd, vd, tiles=Tiles(16, 16, 16, 1, 16, 16))
+        moda_attention_fused(q, k, v, kd, vd, tiles=Tiles(16, 16, 16, 1, 16, 16))

@@ -1,4 +1,5 @@
-"""``mixer=moda`` with ``mixer.impl=triton`` (the fused kernel; Triton's interpreter on CPU)
+"""``mixer=moda`` with ``mixer.impl=triton`` (the split path: SDPA's CPU flash kernel and the
+Triton depth kernel in Triton's interpreter on CPU; ``mixer.moda_kernel=fused`` in process)
 trains like ``mixer.impl=torch``: 2 steps of the tiny GQA model (G = 2), losses within 1e-4
 relative, at TP=1, TP=2 with sequence parallelism, PP=2 and with full activation
 recomputation. One process group per world size: the runs of a group train one after
@@ -57,26 +58,35 @@ def test_triton_trains_like_torch(layout, results):
 
 
 def test_impl_selects_the_kernel(megatron_single):
-    """``mixer.impl`` picks the op once, at construction: every MoDA core attention of a
-    ``triton`` model holds the fused kernel, of a ``torch`` model the reference."""
-    from depthmix.kernels.moda_attention import moda_attention_reference, moda_attention_triton
+    """``mixer.impl`` (and ``mixer.moda_kernel``) pick the op once, at construction: every
+    MoDA core attention of a ``triton`` model holds the split path (``moda_kernel=fused``:
+    the fused kernel), of a ``torch`` model the reference."""
+    from depthmix.kernels.moda_attention import (
+        moda_attention_fused,
+        moda_attention_reference,
+        moda_attention_triton,
+    )
     from depthmix.mixers.moda.model import MoDACoreAttention
     from depthmix.testing import build_model
 
-    for impl, expected in (("triton", moda_attention_triton), ("torch", moda_attention_reference)):
-        model = build_model(tiny_run("moda", impl=impl))
+    for options, expected in (({"impl": "triton"}, moda_attention_triton),
+                              ({"impl": "triton", "moda_kernel": "fused"}, moda_attention_fused),
+                              ({"impl": "torch", "moda_kernel": "fused"},
+                               moda_attention_reference)):
+        model = build_model(tiny_run("moda", **options))
         cores = [m for m in model.modules() if isinstance(m, MoDACoreAttention)]
-        assert len(cores) == 4 and all(c.moda_attention is expected for c in cores)
+        assert len(cores) == 4 and all(c.moda_attention is expected for c in cores), options
 
 
-def test_triton_model_matches_torch_model_in_process(megatron_single):
+@pytest.mark.parametrize("kernel", ["split", "fused"])
+def test_triton_model_matches_torch_model_in_process(megatron_single, kernel):
     """Same weights, one forward/backward of the whole model: logits and every parameter
-    gradient of impl=triton match impl=torch (fp32)."""
+    gradient of impl=triton (either Triton path) match impl=torch (fp32)."""
     from depthmix.testing import build_model
 
     torch.manual_seed(0)
     ref = build_model(tiny_run("moda", impl="torch", depth_window=3))
-    tri = build_model(tiny_run("moda", impl="triton", depth_window=3))
+    tri = build_model(tiny_run("moda", impl="triton", depth_window=3, moda_kernel=kernel))
     tri.load_state_dict(ref.state_dict())
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     out_ref, out_tri = ref(ids), tri(ids)

@@ -391,6 +391,7 @@ def test_pipeline_bytes_closed_form(megatron_single, pp, vp, tp, sp, options):
     ({"attn_kv_proj": 1}, {}, r"mixer\.attn_kv_proj=1"),
     ({"attn_kv_proj": True, "depth_window": 1}, {}, r"mixer\.attn_kv_proj=true .*depth_window=1"),
     ({"impl": "cuda"}, {}, r"mixer\.impl='cuda'"),
+    ({"moda_kernel": "fuse"}, {}, r"mixer\.moda_kernel='fuse'.*fused"),
     ({}, {"num_layers": 1}, r"mixer=moda needs at least 2"),
 ])
 def test_bad_configs_raise(options, model, match):
@@ -412,7 +413,8 @@ def test_yaml_and_unknown_options():
 
     run = compose_run("mixer=moda", "mixer.depth_window=4", "mixer.impl=torch")
     assert (run.mixer.name, run.mixer.ffn_kv_proj, run.mixer.attn_kv_proj,
-            run.mixer.depth_window) == ("moda", True, False, 4)
+            run.mixer.depth_window, run.mixer.moda_kernel) == ("moda", True, False, 4, "split")
+    assert compose_run("mixer=moda", "mixer.moda_kernel=fused").mixer.moda_kernel == "fused"
     with pytest.raises(ConfigError, match=r"mixer\.depth_windw"):
         resolve(OmegaConf.create({"mixer": {"name": "moda", "depth_windw": 3}}))
     with pytest.raises(ConfigError, match="depth_window"):

@@ -7,13 +7,20 @@ holds the plain attention as its ``baseline`` and the ratio column is that overh
 (targets: ``ours`` <= 1.259, 1.086, 1.027):
 
 * ``moda``: ``sdpa`` (the stack's ``causal_sdpa``, flash SDPA on GPU: what a layer without
-  depth entries runs) against ``ours`` (the fused Triton kernel), ``torch`` (the reference)
-  and ``compile`` (``torch.compile`` of the reference). The reference materialises the fp32
-  scores ``[b, np, T, T + D]`` (16 GiB at 16K, 256 GiB at 64K), so ``torch`` and
-  ``compile`` only run up to ``REFERENCE_MAX_T``.
+  depth entries runs) against ``ours`` (the default Triton path, ``mixer.moda_kernel=split``:
+  SDPA's cuDNN / flash attention for the sequence part and a Triton depth kernel, merged
+  by log-sum-exp), ``fused`` (the fused Triton kernel, ``mixer.moda_kernel=fused``),
+  ``torch`` (the reference) and ``compile`` (``torch.compile`` of the reference). The
+  reference materialises the fp32 scores ``[b, np, T, T + D]`` (16 GiB at 16K, 256 GiB at
+  64K), so ``torch`` and ``compile`` only run up to ``REFERENCE_MAX_T``.
 * ``moda/fla``: when fla-core is importable (GPU only), its ``parallel_attn`` (a
   flash-attention kernel in Triton, the closest to the paper's FA2-Triton) as the plain
-  attention, against ``ours``.
+  attention, against ``ours`` and ``fused``.
+
+Each label ends with the split path's **depth floor** on an H100 and an H200
+(:func:`depth_floor`): the least time the depth part can take as the separate,
+memory-bound pass it is. The split path's target (issue 37): ``ours`` forward+backward
+``<= sdpa + 1.3 x`` that floor (the run's own device's).
 
 Shapes: the head layout of the ``depth_mix`` benchmark, the 3B width (2048) as 16 query
 heads of dim 128, ``G = 1, 4, 8`` (16, 4, 2 KV heads), batch 1, bf16, ``T = 4K, 16K, 64K``.
@@ -32,8 +39,9 @@ copy is not timed).
   (``paper x1.259``) so a GPU run sets ours beside it row by row; no reference candidates
   (the materialised scores would not fit).
 
-Without CUDA one smoke shape runs (fp32, ``ours`` only through the Triton interpreter,
-``compile`` left out: Inductor's CPU build takes minutes here and says nothing about GPUs).
+Without CUDA one smoke shape runs (fp32, ``ours`` and ``fused`` through the Triton
+interpreter, ``ours`` on the CPU flash kernel; ``compile`` left out: Inductor's CPU build
+takes minutes here and says nothing about GPUs).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import torch
 from depthmix.kernels.bench_case import Case, fla_causal_attention, implementations
 from depthmix.kernels.roofline import BF16, FP32, Work, label_pairs
 from depthmix.megatron_ext.attention import causal_sdpa
+from depthmix.planning.hardware import H100, H200, Device
 
 NUM_HEADS, HEAD_DIM, NUM_LAYERS = 16, 128, 48
 REFERENCE_MAX_T = 16384
@@ -126,16 +135,25 @@ def _label(shape: Shape) -> str:
     return label + (f"-np{shape.heads}-fp32" if shape.dtype == torch.float32 else "")
 
 
+def _floors(shape: Shape) -> str:
+    h100, h200 = (depth_floor(shape, device) * 1e3 for device in (H100, H200))
+    return f"(depth floor H100 {h100:.3f} / H200 {h200:.3f} ms)"
+
+
 def cases(smoke: bool) -> list:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     references = implementations("moda_attention", cuda)  # torch, compile
     ours = {"ours": references.pop("ours")} if "ours" in references else {}
+    if ours:
+        from depthmix.kernels.moda_attention import moda_attention_fused
+
+        ours["fused"] = moda_attention_fused
     fla = fla_causal_attention() if cuda else None
 
     out = []
     for shape in shapes(smoke or not cuda):
-        label, make = _label(shape), _inputs(shape, device)
+        label, make = f"{_label(shape)} {_floors(shape)}", _inputs(shape, device)
         candidates = {"sdpa": _plain(causal_sdpa), **ours}
         if shape.t <= REFERENCE_MAX_T:
             candidates.update(references)
@@ -148,7 +166,8 @@ def cases(smoke: bool) -> list:
             paper = row[7] / row[6]
             plain = {"fla": _plain(fla)} if fla is not None else {"sdpa": _plain(causal_sdpa)}
             out.append(Case("moda_attention",
-                            f"moda/paper row {row[0]} {_label(shape)} (paper x{paper:.3f})",
+                            f"moda/paper row {row[0]} {_label(shape)} (paper x{paper:.3f}) "
+                            f"{_floors(shape)}",
                             _inputs(shape, device), {**plain, **ours},
                             baseline=next(iter(plain))))
     return out
@@ -180,6 +199,34 @@ def _work(t: int, heads: int, g: int, d: int, depth: int) -> tuple:
     return fwd, bwd
 
 
+def depth_bytes(t: int, heads: int, g: int, d: int, depth: int, elem: int = BF16) -> tuple:
+    """``(forward, backward)`` bytes the split path's depth part must move (batch 1): each
+    tensor its kernels touch once, at its dtype (``elem`` bytes; fp32 log-sum-exps)::
+
+        forward   q, depth k/v, the sequence output o_S, lse_S -> joint o, lse
+                  elem T (3 H d + 2 H_kv D d) + 8 T H
+        backward  q, depth k/v, o, dO, dQ_S, lse -> dQ, depth dK/dV
+                  elem T (5 H d + 4 H_kv D d) + 4 T H
+
+    (``H`` query heads, ``H_kv = H / G``, head dim ``d``, ``D`` depth entries.) The depth
+    k/v terms dominate (``6 elem T H_kv D d`` of it); the rest is what a separate pass
+    re-reads of the attention's own tensors. Its FLOPs, ``4 H D d`` a token forward and
+    ``8 H D d`` backward (``G`` per loaded depth element), are far below any peak."""
+    ng = heads // g
+    per_row, depth_kv = heads * d, ng * depth * d
+    fwd = elem * t * (3 * per_row + 2 * depth_kv) + 2 * FP32 * t * heads
+    bwd = elem * t * (5 * per_row + 4 * depth_kv) + FP32 * t * heads
+    return fwd, bwd
+
+
+def depth_floor(shape: Shape, device: Device = H100) -> float:
+    """Seconds the split path's depth part takes at least, forward + backward: its bytes
+    (:func:`depth_bytes`) at ``device``'s HBM bandwidth."""
+    elem = torch.finfo(shape.dtype).bits // 8
+    fwd, bwd = depth_bytes(shape.t, shape.heads, shape.g, shape.head_dim, shape.depth, elem)
+    return (fwd + bwd) / (device.hbm_tb_s * 1e12)
+
+
 def roofline_work() -> list:
     """Forward and backward :class:`Work` of every full shape and paper row."""
     full = [(f"T{x.t}-G{x.g}-hd{x.head_dim}-D{x.depth}", x) for x in shapes(False)]
@@ -190,7 +237,8 @@ def roofline_work() -> list:
 
 
 def gpu_launches() -> list:
-    """The 3B-layout shapes and the MoDA paper's rows, tiles from ``default_tiles``."""
+    """The 3B-layout shapes and the MoDA paper's rows: the fused kernels (tiles from
+    ``default_tiles``) and the split path's depth kernels (``default_depth_tiles``)."""
     from depthmix.kernels.moda_attention import triton as K
     from depthmix.kernels.gpu_report import expand, meta, recorded_launches
 
@@ -201,8 +249,14 @@ def gpu_launches() -> list:
         k, v = meta(t, 1, ng, hd, dtype=dtype), meta(t, 1, ng, hd, dtype=dtype)
         kd, vd = meta(t, 1, ng, d, hd, dtype=dtype), meta(t, 1, ng, d, hd, dtype=dtype)
         tiles = K.default_tiles(hd, g, d)
+        depth_tiles = K.default_depth_tiles(hd, g, d)
+        # the split path's sequence part as flash attention returns it: o over [b, s, h, d]
+        o_seq = meta(1, t, heads, hd, dtype=dtype).transpose(1, 2)
+        lse_seq = meta(1, heads, t, dtype=torch.float32)
         with recorded_launches(K) as calls:
             o, lse = K.moda_attention_fwd(q, k, v, kd, vd, d, hd ** -0.5, tiles)
             K.moda_attention_bwd(o, q, k, v, kd, vd, o, lse, d, hd ** -0.5, tiles)
+            o, lse = K.moda_depth_fwd(q, kd, vd, o_seq, lse_seq, d, hd ** -0.5, depth_tiles)
+            K.moda_depth_bwd(o, q, kd, vd, o, lse, o_seq, d, hd ** -0.5, depth_tiles)
         out += expand("moda_attention", f"G{g} hd{hd} D{d}", K, calls)
     return out

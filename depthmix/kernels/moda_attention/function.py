@@ -1,4 +1,5 @@
-"""``moda_attention``: the fused Triton kernel as two PyTorch custom ops.
+"""``moda_attention``: the fused Triton kernel as two PyTorch custom ops
+(``mixer.moda_kernel=fused``; the default Triton path is the split one, ``split.py``).
 
 ``depthmix::moda_attention_fwd`` / ``depthmix::moda_attention_bwd`` (``torch.library``, with
 fake implementations and a registered autograd formula; see
@@ -82,7 +83,7 @@ def _backward(ctx, grad_out, _dlse):
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def moda_attention_triton(
+def moda_attention_fused(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -92,7 +93,8 @@ def moda_attention_triton(
     softmax_scale: Optional[float] = None,
     tiles: Optional[Tiles] = None,
 ) -> Tensor:
-    """Causal sequence attention and same-position depth attention under one softmax, fused.
+    """Causal sequence attention and same-position depth attention under one softmax, fused
+    (one flash-style Triton kernel for both parts; ``mixer.moda_kernel=fused``).
 
     Visibility rule: query ``i`` (position ``sk - sq + i``) sees the causal sequence keys
     ``j <= sk - sq + i`` and **only its own position's depth entries**

@@ -31,9 +31,11 @@ the head dim, so that
   valid entries does not matter (the softmax is permutation invariant), so a slot buffer
   may overwrite the oldest entry in place.
 
-It is the contract of the Triton kernel (``moda_attention_triton``, ``triton.py``): same
-arguments, one online softmax over the sequence blocks then the token's
-depth tile. This reference materialises the ``[b, np, sq, sk + D]`` fp32 scores and
+It is the contract of the Triton paths, same arguments: the split one
+(``moda_attention_triton``, ``split.py``: SDPA's attention for the sequence part, a Triton
+kernel for the depth part, merged by their log-sum-exps) and the fused kernel
+(``moda_attention_fused``, ``function.py``: one online softmax over the sequence blocks and
+the token's depth tile). This reference materialises the ``[b, np, sq, sk + D]`` fp32 scores and
 probabilities (saved for backward): fine for tests and short sequences, the kernel's job
 beyond that.
 """

@@ -90,6 +90,80 @@ def _depth_offsets(stride_ds, stride_dd, NSUB: tl.constexpr, SUB: tl.constexpr,
 
 
 @triton.jit
+def _depth_fwd_steps(acc, m_i, l_i, q, kd_base, vd_base, t0, sq, count, stride_kds, stride_kdd,
+                     stride_vds, stride_vdd, qk_scale, h_ok, BLOCK_M: tl.constexpr,
+                     SUB: tl.constexpr, GP: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HD_P: tl.constexpr, PREC: tl.constexpr):
+    """The online softmax of a tile's rows (``acc [BLOCK_M, HD_P]``, running max ``m_i`` and
+    sum ``l_i``, base 2) carried over the ``count`` depth entries of each row's own token.
+    ``kd_base`` / ``vd_base`` point at the tile's first token."""
+    NSUB: tl.constexpr = BLOCK_M // SUB
+    col_tok, ent, d_off, same = _depth_offsets(stride_kds, stride_kdd, NSUB, SUB, GP, BLOCK_D,
+                                               HD_P)
+    _, _, vd_off, _ = _depth_offsets(stride_vds, stride_vdd, NSUB, SUB, GP, BLOCK_D, HD_P)
+    col_ok = (t0 + col_tok) < sq  # [NSUB, N]
+    q3 = tl.reshape(q, (NSUB, SUB, HD_P))
+    m3 = tl.reshape(m_i, (NSUB, SUB))
+    l3 = tl.reshape(l_i, (NSUB, SUB))
+    acc3 = tl.reshape(acc, (NSUB, SUB, HD_P))
+    for j0 in range(0, count, BLOCK_D):
+        ent_ok = (j0 + ent) < count  # [N]
+        ld_ok = col_ok[:, :, None] & ent_ok[None, :, None] & h_ok[None, None, :]
+        kd = tl.load(kd_base + j0 * stride_kdd + d_off, mask=ld_ok, other=0.0)
+        s = _bdot(q3, tl.trans(kd, (0, 2, 1)), NSUB, PREC) * qk_scale  # [NSUB, SUB, N]
+        s = tl.where(same[None, :, :] & ent_ok[None, None, :], s, float("-inf"))
+        m_new = tl.maximum(m3, tl.max(s, 2))
+        alpha = tl.math.exp2(m3 - m_new)
+        p = tl.math.exp2(s - m_new[:, :, None])
+        l3 = l3 * alpha + tl.sum(p, 2)
+        vd = tl.load(vd_base + j0 * stride_vdd + vd_off, mask=ld_ok, other=0.0)
+        acc3 = acc3 * alpha[:, :, None] + _bdot(p.to(vd.dtype), vd, NSUB, PREC)
+        m3 = m_new
+    return (tl.reshape(acc3, (BLOCK_M, HD_P)), tl.reshape(m3, (BLOCK_M,)),
+            tl.reshape(l3, (BLOCK_M,)))
+
+
+@triton.jit
+def _depth_bwd_steps(q, do, lse, delta, KD, VD, DKD, DVD, kd_base, vd_base, t0, sq, count,
+                     stride_kds, stride_kdd, stride_vds, stride_vdd, qk_scale, sm_scale, h_ok,
+                     BLOCK_M: tl.constexpr, SUB: tl.constexpr, GP: tl.constexpr,
+                     BLOCK_D: tl.constexpr, HD_P: tl.constexpr, PREC: tl.constexpr):
+    """The depth part of a tile's backward: stores the gradients of its tokens' depth entries
+    (``DKD``/``DVD`` share the strides of ``KD``/``VD``; ``kd_base``/``vd_base`` are the
+    offsets of the tile's first token) and returns the rows' dQ contribution, unscaled
+    (``sum_j dS_j K_j``). ``lse`` is base 2, ``delta = rowsum(dO * O)``."""
+    NSUB: tl.constexpr = BLOCK_M // SUB
+    col_tok, ent, d_off, same = _depth_offsets(stride_kds, stride_kdd, NSUB, SUB, GP, BLOCK_D,
+                                               HD_P)
+    _, _, vd_off, _ = _depth_offsets(stride_vds, stride_vdd, NSUB, SUB, GP, BLOCK_D, HD_P)
+    col_ok = (t0 + col_tok) < sq
+    q3 = tl.reshape(q, (NSUB, SUB, HD_P))
+    do3 = tl.reshape(do, (NSUB, SUB, HD_P))
+    lse3 = tl.reshape(lse, (NSUB, SUB))
+    delta3 = tl.reshape(delta, (NSUB, SUB))
+    dq3 = tl.zeros([NSUB, SUB, HD_P], tl.float32)
+    for j0 in range(0, count, BLOCK_D):
+        ent_ok = (j0 + ent) < count
+        ld_ok = col_ok[:, :, None] & ent_ok[None, :, None] & h_ok[None, None, :]
+        kd = tl.load(KD + kd_base + j0 * stride_kdd + d_off, mask=ld_ok, other=0.0)
+        vd = tl.load(VD + vd_base + j0 * stride_vdd + vd_off, mask=ld_ok, other=0.0)
+        s = _bdot(q3, tl.trans(kd, (0, 2, 1)), NSUB, PREC) * qk_scale  # [NSUB, SUB, N]
+        p = tl.math.exp2(s - lse3[:, :, None])
+        p = tl.where(same[None, :, :] & ent_ok[None, None, :], p, 0.0)
+        dp = _bdot(do3, tl.trans(vd, (0, 2, 1)), NSUB, PREC)
+        ds = p * (dp - delta3[:, :, None])
+        dq3 += _bdot(ds.to(kd.dtype), kd, NSUB, PREC)
+        # the tile owns these tokens' depth rows: plain stores, once each
+        dvd = _bdot(tl.trans(p.to(do.dtype), (0, 2, 1)), do3, NSUB, PREC)  # [NSUB, N, HD_P]
+        dkd = _bdot(tl.trans(ds.to(q.dtype), (0, 2, 1)), q3, NSUB, PREC) * sm_scale
+        tl.store(DKD + kd_base + j0 * stride_kdd + d_off, dkd.to(DKD.dtype.element_ty),
+                 mask=ld_ok)
+        tl.store(DVD + vd_base + j0 * stride_vdd + vd_off, dvd.to(DVD.dtype.element_ty),
+                 mask=ld_ok)
+    return tl.reshape(dq3, (BLOCK_M, HD_P))
+
+
+@triton.jit
 def _moda_fwd_kernel(
     Q, K, V, KD, VD, O, LSE,
     stride_qs, stride_qb, stride_qh,
@@ -104,7 +178,6 @@ def _moda_fwd_kernel(
     HAS_DEPTH: tl.constexpr, PREC: tl.constexpr,
 ):
     TOK_M: tl.constexpr = BLOCK_M // GP
-    NSUB: tl.constexpr = BLOCK_M // SUB
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (last) tiles first
     pid_bn = tl.program_id(1)
     b = pid_bn // ng
@@ -128,34 +201,13 @@ def _moda_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HD_P], tl.float32)
 
     if HAS_DEPTH:  # the tile's own depth entries first (the softmax is order-free)
-        col_tok, ent, d_off, same = _depth_offsets(stride_kds, stride_kdd, NSUB, SUB, GP,
-                                                   BLOCK_D, HD_P)
-        _, _, vd_off, _ = _depth_offsets(stride_vds, stride_vdd, NSUB, SUB, GP, BLOCK_D, HD_P)
-        col_ok = (t0 + col_tok) < sq  # [NSUB, N]
         kd_base = KD + tl.cast(b, tl.int64) * stride_kdb + tl.cast(n, tl.int64) * stride_kdh \
             + tl.cast(t0, tl.int64) * stride_kds
         vd_base = VD + tl.cast(b, tl.int64) * stride_vdb + tl.cast(n, tl.int64) * stride_vdh \
             + tl.cast(t0, tl.int64) * stride_vds
-        q3 = tl.reshape(q, (NSUB, SUB, HD_P))
-        m3 = tl.reshape(m_i, (NSUB, SUB))
-        l3 = tl.reshape(l_i, (NSUB, SUB))
-        acc3 = tl.reshape(acc, (NSUB, SUB, HD_P))
-        for j0 in range(0, count, BLOCK_D):
-            ent_ok = (j0 + ent) < count  # [N]
-            ld_ok = col_ok[:, :, None] & ent_ok[None, :, None] & h_ok[None, None, :]
-            kd = tl.load(kd_base + j0 * stride_kdd + d_off, mask=ld_ok, other=0.0)
-            s = _bdot(q3, tl.trans(kd, (0, 2, 1)), NSUB, PREC) * qk_scale  # [NSUB, SUB, N]
-            s = tl.where(same[None, :, :] & ent_ok[None, None, :], s, float("-inf"))
-            m_new = tl.maximum(m3, tl.max(s, 2))
-            alpha = tl.math.exp2(m3 - m_new)
-            p = tl.math.exp2(s - m_new[:, :, None])
-            l3 = l3 * alpha + tl.sum(p, 2)
-            vd = tl.load(vd_base + j0 * stride_vdd + vd_off, mask=ld_ok, other=0.0)
-            acc3 = acc3 * alpha[:, :, None] + _bdot(p.to(vd.dtype), vd, NSUB, PREC)
-            m3 = m_new
-        m_i = tl.reshape(m3, (BLOCK_M,))
-        l_i = tl.reshape(l3, (BLOCK_M,))
-        acc = tl.reshape(acc3, (BLOCK_M, HD_P))
+        acc, m_i, l_i = _depth_fwd_steps(acc, m_i, l_i, q, kd_base, vd_base, t0, sq, count,
+                                         stride_kds, stride_kdd, stride_vds, stride_vdd,
+                                         qk_scale, h_ok, BLOCK_M, SUB, GP, BLOCK_D, HD_P, PREC)
 
     # causal sequence keys: blocks every row sees in full, then the diagonal with the mask
     off_kv = sk - sq
@@ -342,7 +394,6 @@ def _moda_bwd_dq_kernel(
     """dQ of one query tile (sequence keys and depth entries), and the depth gradients of
     the tile's tokens (``DKD``/``DVD`` share the strides of ``KD``/``VD``)."""
     TOK_M: tl.constexpr = BLOCK_M // GP
-    NSUB: tl.constexpr = BLOCK_M // SUB
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bn = tl.program_id(1)
     b = pid_bn // ng
@@ -379,38 +430,13 @@ def _moda_bwd_dq_kernel(
                  sk, qk_scale, h_ok, HD_P, BLOCK_N, True, PREC)
 
     if HAS_DEPTH:
-        col_tok, ent, d_off, same = _depth_offsets(stride_kds, stride_kdd, NSUB, SUB, GP,
-                                                   BLOCK_D, HD_P)
-        _, _, vd_off, _ = _depth_offsets(stride_vds, stride_vdd, NSUB, SUB, GP, BLOCK_D, HD_P)
-        col_ok = (t0 + col_tok) < sq
         kd_base = tl.cast(b, tl.int64) * stride_kdb + tl.cast(n, tl.int64) * stride_kdh \
             + tl.cast(t0, tl.int64) * stride_kds
         vd_base = tl.cast(b, tl.int64) * stride_vdb + tl.cast(n, tl.int64) * stride_vdh \
             + tl.cast(t0, tl.int64) * stride_vds
-        q3 = tl.reshape(q, (NSUB, SUB, HD_P))
-        do3 = tl.reshape(do, (NSUB, SUB, HD_P))
-        lse3 = tl.reshape(lse, (NSUB, SUB))
-        delta3 = tl.reshape(delta, (NSUB, SUB))
-        dq3 = tl.zeros([NSUB, SUB, HD_P], tl.float32)
-        for j0 in range(0, count, BLOCK_D):
-            ent_ok = (j0 + ent) < count
-            ld_ok = col_ok[:, :, None] & ent_ok[None, :, None] & h_ok[None, None, :]
-            kd = tl.load(KD + kd_base + j0 * stride_kdd + d_off, mask=ld_ok, other=0.0)
-            vd = tl.load(VD + vd_base + j0 * stride_vdd + vd_off, mask=ld_ok, other=0.0)
-            s = _bdot(q3, tl.trans(kd, (0, 2, 1)), NSUB, PREC) * qk_scale  # [NSUB, SUB, N]
-            p = tl.math.exp2(s - lse3[:, :, None])
-            p = tl.where(same[None, :, :] & ent_ok[None, None, :], p, 0.0)
-            dp = _bdot(do3, tl.trans(vd, (0, 2, 1)), NSUB, PREC)
-            ds = p * (dp - delta3[:, :, None])
-            dq3 += _bdot(ds.to(kd.dtype), kd, NSUB, PREC)
-            # the tile owns these tokens' depth rows: plain stores, once each
-            dvd = _bdot(tl.trans(p.to(do.dtype), (0, 2, 1)), do3, NSUB, PREC)  # [NSUB, N, HD_P]
-            dkd = _bdot(tl.trans(ds.to(q.dtype), (0, 2, 1)), q3, NSUB, PREC) * sm_scale
-            tl.store(DKD + kd_base + j0 * stride_kdd + d_off, dkd.to(DKD.dtype.element_ty),
-                     mask=ld_ok)
-            tl.store(DVD + vd_base + j0 * stride_vdd + vd_off, dvd.to(DVD.dtype.element_ty),
-                     mask=ld_ok)
-        dq += tl.reshape(dq3, (BLOCK_M, HD_P))
+        dq += _depth_bwd_steps(q, do, lse, delta, KD, VD, DKD, DVD, kd_base, vd_base, t0, sq,
+                               count, stride_kds, stride_kdd, stride_vds, stride_vdd, qk_scale,
+                               sm_scale, h_ok, BLOCK_M, SUB, GP, BLOCK_D, HD_P, PREC)
 
     dq = dq * sm_scale
     tl.store(DQ + tl.cast(b, tl.int64) * stride_dqb + tl.cast(n * G, tl.int64) * stride_dqh
@@ -439,6 +465,127 @@ def _dq_seq(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, lo, hi,
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PREC)
     return dq
+
+
+@triton.jit
+def _moda_depth_fwd_kernel(
+    Q, KD, VD, OS, LSES, O, LSE,
+    stride_qs, stride_qb, stride_qh,
+    stride_kds, stride_kdb, stride_kdh, stride_kdd,
+    stride_vds, stride_vdb, stride_vdh, stride_vdd,
+    stride_oss, stride_osb, stride_osh,
+    stride_ls, stride_lb, stride_lh,
+    stride_os, stride_ob, stride_oh,
+    sq, ng, count, qk_scale,
+    G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, HD_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, SUB: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+):
+    """The split path's depth part, merged into the sequence part: one tile of folded rows
+    starts its online softmax from the sequence attention's normalised output ``OS`` and
+    natural log-sum-exp ``LSES`` (max = lse, sum = 1, accumulator = output), runs it over
+    the rows' own depth entries and stores the joint output ``O`` and log-sum-exp ``LSE``
+    (natural, ``LSES``'s strides). The merge of two blocks as ring attention merges them."""
+    TOK_M: tl.constexpr = BLOCK_M // GP
+    pid_bn = tl.program_id(1)
+    b = pid_bn // ng
+    n = pid_bn % ng
+    t0 = tl.program_id(0) * TOK_M
+
+    rows = tl.arange(0, BLOCK_M)
+    rel = rows // GP
+    tok = t0 + rel
+    head = rows % GP
+    row_ok = (tok < sq) & (head < G)
+    offs_h = tl.arange(0, HD_P)
+    h_ok = offs_h < HEAD_DIM
+    ld = row_ok[:, None] & h_ok[None, :]
+    b64, hq, t64 = tl.cast(b, tl.int64), tl.cast(n * G, tl.int64), tl.cast(t0, tl.int64)
+    q = tl.load(Q + b64 * stride_qb + hq * stride_qh + t64 * stride_qs
+                + rel[:, None] * stride_qs + head[:, None] * stride_qh + offs_h[None, :],
+                mask=ld, other=0.0)
+    acc = tl.load(OS + b64 * stride_osb + hq * stride_osh + t64 * stride_oss
+                  + rel[:, None] * stride_oss + head[:, None] * stride_osh + offs_h[None, :],
+                  mask=ld, other=0.0).to(tl.float32)
+    lse_off = b64 * stride_lb + hq * stride_lh + t64 * stride_ls + rel * stride_ls \
+        + head * stride_lh
+    m_i = tl.load(LSES + lse_off, mask=row_ok, other=0.0) * 1.4426950408889634  # base 2
+    l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+
+    kd_base = KD + b64 * stride_kdb + tl.cast(n, tl.int64) * stride_kdh + t64 * stride_kds
+    vd_base = VD + b64 * stride_vdb + tl.cast(n, tl.int64) * stride_vdh + t64 * stride_vds
+    acc, m_i, l_i = _depth_fwd_steps(acc, m_i, l_i, q, kd_base, vd_base, t0, sq, count,
+                                     stride_kds, stride_kdd, stride_vds, stride_vdd, qk_scale,
+                                     h_ok, BLOCK_M, SUB, GP, BLOCK_D, HD_P, PREC)
+
+    out = acc / l_i[:, None]
+    tl.store(O + b64 * stride_ob + hq * stride_oh + t64 * stride_os + rel[:, None] * stride_os
+             + head[:, None] * stride_oh + offs_h[None, :], out.to(O.dtype.element_ty), mask=ld)
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log again
+    tl.store(LSE + lse_off, lse, mask=row_ok)
+
+
+@triton.jit
+def _moda_depth_bwd_kernel(
+    Q, KD, VD, O, DO, LSE, DQS, DQ, DKD, DVD,
+    stride_qs, stride_qb, stride_qh,
+    stride_kds, stride_kdb, stride_kdh, stride_kdd,
+    stride_vds, stride_vdb, stride_vdh, stride_vdd,
+    stride_os, stride_ob, stride_oh,
+    stride_dos, stride_dob, stride_doh,
+    stride_ls, stride_lb, stride_lh,
+    stride_dqss, stride_dqsb, stride_dqsh,
+    stride_dqs, stride_dqb, stride_dqh,
+    sq, ng, count, qk_scale, sm_scale,
+    G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, HD_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, SUB: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+):
+    """The split path's depth backward for one tile: with the joint output ``O`` and
+    log-sum-exp ``LSE`` (natural), the probabilities of the rows' depth entries and
+    ``delta = rowsum(dO * O)`` are the joint softmax's, so this stores ``dQ = DQS`` (the
+    sequence part's gradient, which the attention backward computed with the same ``O``
+    and ``LSE``) plus the depth part's, and the tile's depth gradients ``DKD``/``DVD``
+    (strides of ``KD``/``VD``)."""
+    TOK_M: tl.constexpr = BLOCK_M // GP
+    pid_bn = tl.program_id(1)
+    b = pid_bn // ng
+    n = pid_bn % ng
+    t0 = tl.program_id(0) * TOK_M
+
+    rows = tl.arange(0, BLOCK_M)
+    rel = rows // GP
+    tok = t0 + rel
+    head = rows % GP
+    row_ok = (tok < sq) & (head < G)
+    offs_h = tl.arange(0, HD_P)
+    h_ok = offs_h < HEAD_DIM
+    ld = row_ok[:, None] & h_ok[None, :]
+    b64, hq, t64 = tl.cast(b, tl.int64), tl.cast(n * G, tl.int64), tl.cast(t0, tl.int64)
+    q = tl.load(Q + b64 * stride_qb + hq * stride_qh + t64 * stride_qs
+                + rel[:, None] * stride_qs + head[:, None] * stride_qh + offs_h[None, :],
+                mask=ld, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + hq * stride_doh + t64 * stride_dos
+                 + rel[:, None] * stride_dos + head[:, None] * stride_doh + offs_h[None, :],
+                 mask=ld, other=0.0)
+    o = tl.load(O + b64 * stride_ob + hq * stride_oh + t64 * stride_os
+                + rel[:, None] * stride_os + head[:, None] * stride_oh + offs_h[None, :],
+                mask=ld, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse_off = b64 * stride_lb + hq * stride_lh + t64 * stride_ls + rel * stride_ls \
+        + head * stride_lh
+    lse = tl.load(LSE + lse_off, mask=row_ok, other=float("inf")) * 1.4426950408889634
+
+    kd_base = b64 * stride_kdb + tl.cast(n, tl.int64) * stride_kdh + t64 * stride_kds
+    vd_base = b64 * stride_vdb + tl.cast(n, tl.int64) * stride_vdh + t64 * stride_vds
+    dq = _depth_bwd_steps(q, do, lse, delta, KD, VD, DKD, DVD, kd_base, vd_base, t0, sq, count,
+                          stride_kds, stride_kdd, stride_vds, stride_vdd, qk_scale, sm_scale,
+                          h_ok, BLOCK_M, SUB, GP, BLOCK_D, HD_P, PREC)
+    dq_seq = tl.load(DQS + b64 * stride_dqsb + hq * stride_dqsh + t64 * stride_dqss
+                     + rel[:, None] * stride_dqss + head[:, None] * stride_dqsh
+                     + offs_h[None, :], mask=ld, other=0.0)
+    dq = dq_seq.to(tl.float32) + dq * sm_scale
+    tl.store(DQ + b64 * stride_dqb + hq * stride_dqh + t64 * stride_dqs
+             + rel[:, None] * stride_dqs + head[:, None] * stride_dqh + offs_h[None, :],
+             dq.to(DQ.dtype.element_ty), mask=ld)
 
 
 # ---------------------------------------------------------------------------------------
@@ -509,6 +656,59 @@ def _check_tiles(t: Tiles, gp: int) -> None:
         raise ValueError(f"tiles {t}: dot operands need every tile side >= 16")
     if (t.depth_sub // gp) * t.block_d < 16:
         raise ValueError(f"tiles {t}: a depth sub-tile needs >= 16 columns "
+                         "(depth_sub / GP * block_d)")
+
+
+@dataclass(frozen=True)
+class DepthTiles:
+    """Tile sizes of the split path's depth kernels (rows folded as tokens x GP)."""
+
+    block_m: int = 64
+    """Query rows per program."""
+    depth_sub: int = 16
+    """Query rows per depth sub-tile."""
+    block_d: int = 4
+    """Depth entries per token per step."""
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_depth_tiles(head_dim: int, group: int, depth: int) -> DepthTiles:
+    """Depth-kernel tiles for a head dim, group size ``G`` and depth capacity ``D``.
+
+    The kernels are memory-bound (each depth entry is read once and used by the ``G`` rows
+    of its token: ``G`` multiply-adds per loaded element), so the tiles aim at wide loads
+    and enough programs, not at tensor-core shapes: 64 folded rows a program (32 at head
+    dims above 128), sub-tiles of 16 rows (``GP`` if larger), and depth steps loading 16
+    columns a sub-tile (``16 / (SUB / GP)`` entries of each token; fewer if ``D`` is
+    smaller, never under the 16-column minimum). The interpreter (CPU tests) uses 16-row
+    tiles.
+    """
+    gp = triton.next_power_of_2(group)
+    hd = max(16, triton.next_power_of_2(head_dim))
+    if interpreting():
+        block_m, warps, stages = 16, 4, 1
+    elif hd <= 128:
+        block_m, warps, stages = 64, 4 if hd <= 64 else 8, 2
+    else:
+        block_m, warps, stages = 32, 8, 2
+    sub = max(16, gp)
+    block_m = max(block_m, sub)
+    tokens_per_sub = sub // gp
+    block_d = max(1, 16 // tokens_per_sub)  # a 16-column step
+    return DepthTiles(block_m, sub, block_d, warps, stages)
+
+
+def _check_depth_tiles(t: DepthTiles, gp: int) -> None:
+    p2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
+    for name in ("block_m", "depth_sub", "block_d"):
+        if not p2(getattr(t, name)):
+            raise ValueError(f"depth tiles.{name}={getattr(t, name)} must be a power of two")
+    if t.block_m % t.depth_sub or t.depth_sub % gp or t.depth_sub < 16:
+        raise ValueError(f"depth tiles {t} must satisfy 16 <= depth_sub, GP={gp} | depth_sub "
+                         "| block_m")
+    if (t.depth_sub // gp) * t.block_d < 16:
+        raise ValueError(f"depth tiles {t}: a depth sub-tile needs >= 16 columns "
                          "(depth_sub / GP * block_d)")
 
 
@@ -625,4 +825,92 @@ def moda_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return dq, dk, dv, dkd, dvd
 
 
-__all__ = ["Tiles", "default_tiles", "moda_attention_fwd", "moda_attention_bwd"]
+def _bhs_strides(t: torch.Tensor) -> Tuple[int, int, int]:
+    """``(seq, batch, head)`` strides of an attention op's ``[b, h, s, ...]`` tensor."""
+    return t.stride(2), t.stride(0), t.stride(1)
+
+
+def _lse3(lse: torch.Tensor) -> torch.Tensor:
+    """An attention op's log-sum-exp as a ``[b, h, s]`` view (cuDNN's is ``[b, h, s, 1]``)."""
+    return lse[..., 0] if lse.dim() == 4 else lse
+
+
+def moda_depth_fwd(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, o_seq: torch.Tensor,
+                   lse_seq: torch.Tensor, count: int, scale: float, tiles: DepthTiles
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The split path's depth part and merge. ``q [sq, b, np, hn]``, ``kd/vd [sq, b, ng, D,
+    hn]`` with ``count >= 1`` valid entries, and the causal sequence attention's output
+    ``o_seq [b, np, sq, hn]`` and natural log-sum-exp ``lse_seq [b, np, sq]`` (or ``[..., 1]``;
+    any strides) as an SDPA op returns them. Returns the joint output ``[sq, b, np, hn]``
+    (contiguous) and log-sum-exp (fp32, ``torch.empty_like(lse_seq)``)."""
+    sq, b, np_, hn = q.shape
+    ng = kd.shape[2]
+    g = np_ // ng
+    gp = triton.next_power_of_2(g)
+    _check_depth_tiles(tiles, gp)
+    o_seq, = last_dim_contiguous(o_seq)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty_like(lse_seq)
+    ls_in, ls_out = _lse3(lse_seq), _lse3(lse)
+    if ls_in.stride() != ls_out.stride():
+        raise AssertionError("the joint log-sum-exp must share the sequence part's strides")
+    grid = (triton.cdiv(sq, tiles.block_m // gp), b * ng)
+    _moda_depth_fwd_kernel[grid](
+        q, kd, vd, o_seq, ls_in, o, ls_out,
+        q.stride(0), q.stride(1), q.stride(2),
+        kd.stride(0), kd.stride(1), kd.stride(2), kd.stride(3),
+        vd.stride(0), vd.stride(1), vd.stride(2), vd.stride(3),
+        *_bhs_strides(o_seq), *_bhs_strides(ls_in),
+        o.stride(0), o.stride(1), o.stride(2),
+        sq, ng, count, scale * LOG2E,
+        G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, triton.next_power_of_2(hn)),
+        BLOCK_M=tiles.block_m, SUB=tiles.depth_sub, BLOCK_D=tiles.block_d,
+        PREC=_precision(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return o, lse
+
+
+def moda_depth_bwd(do: torch.Tensor, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor,
+                   o: torch.Tensor, lse: torch.Tensor, dq_seq: torch.Tensor, count: int,
+                   scale: float, tiles: DepthTiles
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split path's depth backward: ``do``, ``q``, ``o`` ``[sq, b, np, hn]``, the joint
+    log-sum-exp ``lse`` (as :func:`moda_depth_fwd` returned it) and the sequence part's
+    query gradient ``dq_seq [b, np, sq, hn]`` (any strides). Returns ``dq`` (contiguous,
+    ``dq_seq`` plus the depth part's), ``dkd``, ``dvd`` (entries at or beyond ``count``:
+    zero)."""
+    sq, b, np_, hn = q.shape
+    ng = kd.shape[2]
+    g = np_ // ng
+    gp = triton.next_power_of_2(g)
+    _check_depth_tiles(tiles, gp)
+    do, dq_seq = last_dim_contiguous(do, dq_seq)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dkd = torch.empty_like(kd)
+    dvd = torch.empty_like(vd)
+    if dkd.stride() != kd.stride() or dvd.stride() != vd.stride():
+        raise AssertionError("depth gradients must share the depth inputs' strides")
+    if count < kd.shape[3]:  # never read, zero gradient
+        dkd[:, :, :, count:].zero_()
+        dvd[:, :, :, count:].zero_()
+    ls = _lse3(lse)
+    grid = (triton.cdiv(sq, tiles.block_m // gp), b * ng)
+    _moda_depth_bwd_kernel[grid](
+        q, kd, vd, o, do, ls, dq_seq, dq, dkd, dvd,
+        q.stride(0), q.stride(1), q.stride(2),
+        kd.stride(0), kd.stride(1), kd.stride(2), kd.stride(3),
+        vd.stride(0), vd.stride(1), vd.stride(2), vd.stride(3),
+        o.stride(0), o.stride(1), o.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        *_bhs_strides(ls), *_bhs_strides(dq_seq),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        sq, ng, count, scale * LOG2E, scale,
+        G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, triton.next_power_of_2(hn)),
+        BLOCK_M=tiles.block_m, SUB=tiles.depth_sub, BLOCK_D=tiles.block_d,
+        PREC=_precision(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return dq, dkd, dvd
+
+
+__all__ = ["DepthTiles", "Tiles", "default_depth_tiles", "default_tiles", "moda_attention_bwd",
+           "moda_attention_fwd", "moda_depth_bwd", "moda_depth_fwd"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, SavedActivations, Variant
 from depthmix.mixers.base import LOOPED, model_hook, plan_state_per_token, residual_stream_entry
@@ -16,11 +16,16 @@ from depthmix.config.schema import ConfigError
 from depthmix.planning.depth_plan import HIDDEN, Entry
 
 ATTN, MLP = "attn", "mlp"
+KERNELS = ("split", "fused")
+"""``mixer.moda_kernel`` values (``depthmix.kernels.moda_attention.KERNELS``)."""
 
 
 @dataclass
 class MoDAConfig(MixerConfig):
     """``mixer=moda`` options (``configs/mixer/moda.yaml``)."""
+
+    CHOICES: ClassVar[Dict[str, Tuple[str, ...]]] = {**MixerConfig.CHOICES,
+                                                     "moda_kernel": KERNELS}
 
     name: str = "moda"
     ffn_kv_proj: bool = True
@@ -32,6 +37,11 @@ class MoDAConfig(MixerConfig):
     depth_window: Optional[int] = None
     """Keep only the most recent W depth entries (the paper's slot-buffer future work,
     sliding-window policy); null = every preceding entry."""
+    moda_kernel: str = "split"
+    """The Triton path (``mixer.impl=triton``): ``split`` (the sequence part through SDPA's
+    cuDNN / flash attention, the depth part through a small Triton kernel, merged exactly
+    by their log-sum-exps) or ``fused`` (one flash-style Triton kernel for both). The same
+    result; ignored with ``mixer.impl=torch``."""
 
     def validate(self, model, parallel) -> None:
         super().validate(model, parallel)

@@ -167,14 +167,19 @@ class MoDASelfAttention(DepthMixSelfAttention):
 
 class MoDACoreAttention(SDPACoreAttention):
     """Core attention over the causal sequence KV and the depth KV under one softmax
-    (``kernels.moda_attention``: the fused Triton kernel with ``mixer.impl=triton``, the
-    PyTorch reference with ``torch``); plain SDPA where a layer has no depth entries.
-    A padding mask (left-padded batched generation) takes the reference, which accepts
-    one; the fused kernel implements the causal rule only."""
+    (``kernels.moda_attention``: with ``mixer.impl=triton`` the split path, SDPA's attention
+    plus a Triton depth kernel, or with ``mixer.moda_kernel=fused`` the fused Triton
+    kernel; the PyTorch reference with ``torch``); plain SDPA where a layer has no depth
+    entries. A padding mask (left-padded batched generation) takes the reference, which
+    accepts one; the Triton paths implement the causal rule only."""
 
     def __init__(self, config, layer_number: int, **kwargs):
         super().__init__(config, layer_number, **kwargs)
         self.moda_attention = select("moda_attention", config.mixer.impl)
+        if config.mixer.impl == "triton" and config.mixer.moda_kernel == "fused":
+            from depthmix.kernels.moda_attention import moda_attention_fused
+
+            self.moda_attention = moda_attention_fused
 
     def forward(self, query, key, value, attention_mask=None, depth_key=None,
                 depth_value=None, depth_stats=None, **kwargs):
