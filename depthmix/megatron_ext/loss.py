@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import Tensor
 
 from depthmix.config.schema import RunConfig
+from depthmix.runtime.device import switch_on
 
 CHUNK_BYTES = 256 * 2**20
 """fp32 logits per chunk (the transient peak of one chunk is about 1.5x this: the logits in
@@ -44,8 +45,7 @@ CHUNK_MULTIPLE = 128
 
 def enabled(run: RunConfig) -> bool:
     """``train.fused_cross_entropy``: ``true``, or ``auto`` on CUDA."""
-    mode = run.train.fused_cross_entropy
-    return torch.cuda.is_available() if mode == "auto" else mode == "true"
+    return switch_on(run.train.fused_cross_entropy)
 
 
 def chunk_tokens(vocab_local: int) -> int:

@@ -41,6 +41,7 @@ from typing import List
 import torch
 
 from depthmix.config.schema import RunConfig
+from depthmix.runtime.device import switch_on
 
 _graphed = {"on": False}
 """Whether the layers compiled last (:func:`compile_layers`) record CUDA graphs. Dynamo's
@@ -50,10 +51,7 @@ caches are process-global, and :func:`compile_layers` resets them for each model
 def enabled(run: RunConfig) -> bool:
     """``true``, or ``auto`` on CUDA (the start-up checks are
     :func:`depthmix.pretrain.preflight.check_compile`)."""
-    mode = run.train.compile
-    if mode == "auto":
-        return torch.cuda.is_available()
-    return mode == "true"
+    return switch_on(run.train.compile)
 
 
 def compile_options(cuda_graphs: bool = False) -> dict:

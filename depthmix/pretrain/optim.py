@@ -35,6 +35,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from depthmix.config.schema import RunConfig
+from depthmix.runtime.device import switch_on
 
 FUSED_STEP = "depthmix_fused_step"
 """Attribute :func:`use_fused_step` sets on the optimizer; :func:`fused_step` reads it."""
@@ -98,8 +99,7 @@ def warmup_steps(t) -> int:
 # ------------------------------------------------------------------------ the fused step
 def fused_enabled(run: RunConfig) -> bool:
     """``train.fused_optimizer``: ``true``, or ``auto`` on CUDA."""
-    mode = run.train.fused_optimizer
-    return torch.cuda.is_available() if mode == "auto" else mode == "true"
+    return switch_on(run.train.fused_optimizer)
 
 
 def fused_step(optimizer) -> bool:

@@ -11,6 +11,13 @@ import torch
 from depthmix.planning.units import GIB
 
 
+def switch_on(mode: str) -> bool:
+    """A fast-path switch (``train.compile``, ``train.fused_optimizer``,
+    ``train.fused_cross_entropy``): ``true``, or ``auto`` where CUDA is (off on the CPU,
+    whose default path the golden losses pin)."""
+    return torch.cuda.is_available() if mode == "auto" else mode == "true"
+
+
 def device_name() -> Optional[str]:
     """``torch.cuda.get_device_name()``, or None without a GPU."""
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
