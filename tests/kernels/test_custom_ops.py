@@ -90,8 +90,97 @@ def test_every_op_has_its_forward_custom_ops_checked_here(op):
     ``_bwd`` is the registered backward), in a test named ``test_<op>``."""
     here = pathlib.Path(__file__).read_text()
     function = pathlib.Path(kernels.__file__).parent / op / "function.py"
-    registered = re.findall(r'custom_op\("depthmix::(\w+_fwd)"', function.read_text())
+    text = function.read_text()
+    registered = re.findall(r'custom_op\("depthmix::(\w+_fwd)"', text) + [
+        f"{name}_fwd" for name in re.findall(r'KernelOp\("depthmix::(\w+)"', text)]
     assert registered, f"{function} registers no depthmix:: forward op"
     assert f"def test_{op}(" in here, f"no test_{op} opchecks kernel op {op!r}"
     for name in registered:
         assert f'_op("{name}")' in here, f"depthmix::{name} is not opchecked"
+
+
+# ---- eager calls: the autograd.Function entry of each KernelOp, against the custom op ----
+def _depth_mix_case(stacked):
+    from depthmix.kernels.depth_mix.function import depth_mix_triton
+
+    q, k, v = _randn(5, 2, 4, 16), _randn(5, 2, 2, 16), _randn(5, 2, 2, 16)
+    src = [_randn(3, 5, 2, 2, 16)] if stacked else [_randn(5, 2, 2, 16) for _ in range(3)]
+    keys = src[0] if stacked else src
+    values = _randn(3, 5, 2, 2, 16) if stacked else [_randn(5, 2, 2, 16) for _ in range(3)]
+    inputs = [q, k, v, *src, *([values] if stacked else values)]
+    return inputs, lambda: depth_mix_triton(q, k, v, keys, values, mixed_state="key_value")
+
+
+def _attnres_case(norm):
+    from depthmix.kernels.attnres.function import attnres_triton
+
+    sources = [_randn(6, 2, 32) for _ in range(3)]
+    w, g, h = _randn(32), _randn(32), _randn(32) if norm else None
+    inputs = [*sources, w, g] + ([h] if norm else [])
+    return inputs, lambda: (attnres_triton(sources, w, g, out_weight=h),)
+
+
+def _mhc_case(variant):
+    from depthmix.kernels.mhc.function import mhc_post_res_triton, mhc_read_triton
+    from depthmix.mixers.mhc import coefficient_width
+
+    n, h = 4, 32
+    m = coefficient_width(variant, n)
+    x, y = _randn(3, 2, n, h), _randn(3, 2, h)
+    phi, bias = (0.1 * torch.randn(n * h, m)).requires_grad_(), _randn(m)
+    alpha = torch.rand(2 if variant == "identity" else 3, requires_grad=True)
+
+    def run():
+        x_in, h_pre, h_post, h_res = mhc_read_triton(x, phi, alpha, bias, variant, 4)
+        return x_in, h_pre, mhc_post_res_triton(x, y * x_in, h_post, h_res)
+
+    return [x, y, phi, alpha, bias], run
+
+
+def _sinkhorn_case(_):
+    from depthmix.kernels.mhc.function import sinkhorn_triton
+
+    logits = _randn(2, 3, 4, 4)
+    return [logits], lambda: (sinkhorn_triton(logits, 5),)
+
+
+def _backward_nodes(outputs, depth: int = 3) -> str:
+    """The names of the autograd nodes up to ``depth`` steps back from ``outputs``."""
+    nodes, names = [o.grad_fn for o in outputs], []
+    for _ in range(depth):
+        nodes = [n for n in nodes if n is not None]
+        names += [type(n).__name__ for n in nodes]
+        nodes = [m for n in nodes for m, _ in n.next_functions]
+    return " ".join(names)
+
+
+@pytest.mark.parametrize("case,option", [
+    (_depth_mix_case, False), (_depth_mix_case, True), (_attnres_case, False),
+    (_attnres_case, True), (_mhc_case, "mhc"), (_mhc_case, "identity"), (_sinkhorn_case, None)],
+    ids=["depth_mix", "depth_mix-stacked", "attnres", "attnres-out-norm", "mhc", "mhc-identity",
+         "sinkhorn"])
+def test_eager_function_matches_custom_op(case, option):
+    """Eager calls run the launchers through a plain autograd.Function (cheaper on the host);
+    its outputs and gradients are the custom op's, bit for bit (the same launchers)."""
+    from depthmix.kernels._common import custom_ops_in_eager
+
+    for op in ("depth_mix", "attnres", "mhc"):
+        select(op, "triton")
+    torch.manual_seed(0)
+    inputs, run = case(option)
+
+    def outputs_and_grads():
+        outs = run()
+        weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i))
+                   for i, o in enumerate(outs)]
+        grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), inputs)
+        return outs, grads
+
+    outs, grads = outputs_and_grads()
+    nodes = _backward_nodes(outs)
+    assert "_function" in nodes and "GeneratedBackwardFor" not in nodes
+    with custom_ops_in_eager():
+        op_outs, op_grads = outputs_and_grads()
+    assert "GeneratedBackwardFor_depthmix" in _backward_nodes(op_outs)
+    for a, b in zip((*outs, *grads), (*op_outs, *op_grads)):
+        assert torch.equal(a, b)

@@ -1,8 +1,9 @@
-"""``attnres_triton``: the Triton kernels as two PyTorch custom ops.
+"""``attnres_triton``: the Triton kernels as one :class:`~depthmix.kernels._common.KernelOp`.
 
 ``depthmix::attnres_fwd`` / ``depthmix::attnres_bwd`` (``torch.library``, with fake
-implementations and a registered autograd formula; see :mod:`depthmix.kernels._common`),
-so a compiled layer calls them without a graph break.
+implementations and a registered autograd formula), so a compiled layer calls them without
+a graph break; eager calls run the same launchers through a plain ``autograd.Function``
+(see :mod:`depthmix.kernels._common`).
 """
 
 from __future__ import annotations
@@ -12,18 +13,57 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from depthmix.kernels._common import absent, acc_dtype, empty_like_contiguous, present
+from depthmix.kernels._common import KernelOp, absent, acc_dtype, empty_like_contiguous, present
 from depthmix.kernels.attnres.triton import attnres_bwd, attnres_fwd, check_sources
 
 
-@torch.library.custom_op("depthmix::attnres_fwd", mutates_args=())
-def _fwd(sources: List[Tensor], query: Tensor, key_weight: Tensor, out_weight: Optional[Tensor],
-         eps: float, out_eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _forward(sources: List[Tensor], query: Tensor, key_weight: Tensor,
+             out_weight: Optional[Tensor], eps: float, out_eps: float
+             ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``out [*, d]`` and the per-token statistics ``z``, ``rstd`` ``[S, T]``, ``lse [T]``."""
     return attnres_fwd(sources, query, key_weight, eps, out_weight, out_eps)
 
 
-@_fwd.register_fake
+def _backward(sources: List[Tensor], query: Tensor, key_weight: Tensor,
+              out_weight: Optional[Tensor], out_eps: float, dout: Tensor, z: Tensor,
+              rstd: Tensor, lse: Tensor) -> Tuple[List[Tensor], Tensor, Tensor, Tensor]:
+    """Gradients of the sources, ``query``, ``key_weight`` and ``out_weight`` (empty
+    without an output norm)."""
+    dsources, dquery, dkey, dout_weight = attnres_bwd(
+        sources, query, key_weight, out_weight, out_eps, dout, z, rstd, lse)
+    return dsources, dquery, dkey, present(dout_weight, query)
+
+
+def _eager_backward(sources, query, key_weight, out_weight, out_eps, dout, z, rstd, lse):
+    """:func:`_backward` outside a custom op: the source gradients share one buffer and a
+    missing gradient is None."""
+    return attnres_bwd(sources, query, key_weight, out_weight, out_eps, dout, z, rstd, lse,
+                       grads_as_views=True)
+
+
+def _setup_context(ctx, inputs, output):
+    sources, query, key_weight, out_weight, _eps, out_eps = inputs
+    _out, z, rstd, lse = output
+    ctx.mark_non_differentiable(z, rstd, lse)
+    ctx.set_materialize_grads(False)  # no zeros for the statistics' grads
+    ctx.save_for_backward(query, key_weight, out_weight, z, rstd, lse, *sources)
+    ctx.out_eps = out_eps
+
+
+def _gradient(ctx, backward, dout, _dz, _drstd, _dlse):
+    if dout is None:  # the output is unused
+        return None, None, None, None, None, None
+    query, key_weight, out_weight, z, rstd, lse, *sources = ctx.saved_tensors
+    dsources, dquery, dkey, dout_weight = backward(
+        sources, query, key_weight, out_weight, ctx.out_eps, dout, z, rstd, lse)
+    return dsources, dquery, dkey, absent(dout_weight), None, None
+
+
+attnres_op = KernelOp("depthmix::attnres", _forward, _backward, setup_context=_setup_context,
+                      gradient=_gradient, eager_backward=_eager_backward)
+
+
+@attnres_op.forward_op.register_fake
 def _(sources, query, key_weight, out_weight, eps, out_eps):
     first = sources[0]
     tokens = first.numel() // first.shape[-1]
@@ -32,40 +72,11 @@ def _(sources, query, key_weight, out_weight, eps, out_eps):
             torch.empty_like(z), z.new_empty(tokens))
 
 
-@torch.library.custom_op("depthmix::attnres_bwd", mutates_args=())
-def _bwd(sources: List[Tensor], query: Tensor, key_weight: Tensor, out_weight: Optional[Tensor],
-         out_eps: float, dout: Tensor, z: Tensor, rstd: Tensor, lse: Tensor
-         ) -> Tuple[List[Tensor], Tensor, Tensor, Tensor]:
-    """Gradients of the sources, ``query``, ``key_weight`` and ``out_weight`` (empty
-    without an output norm)."""
-    dsources, dquery, dkey, dout_weight = attnres_bwd(
-        sources, query, key_weight, out_weight, out_eps, dout, z, rstd, lse)
-    return dsources, dquery, dkey, present(dout_weight, query)
-
-
-@_bwd.register_fake
+@attnres_op.backward_op.register_fake
 def _(sources, query, key_weight, out_weight, out_eps, dout, z, rstd, lse):
     dsources = [empty_like_contiguous(y) for y in sources]
     return (dsources, torch.empty_like(query), torch.empty_like(key_weight),
             query.new_empty(0) if out_weight is None else torch.empty_like(out_weight))
-
-
-def _setup_context(ctx, inputs, output):
-    sources, query, key_weight, out_weight, _eps, out_eps = inputs
-    _out, z, rstd, lse = output
-    ctx.mark_non_differentiable(z, rstd, lse)
-    ctx.save_for_backward(query, key_weight, out_weight, z, rstd, lse, *sources)
-    ctx.out_eps = out_eps
-
-
-def _backward(ctx, dout, _dz, _drstd, _dlse):
-    query, key_weight, out_weight, z, rstd, lse, *sources = ctx.saved_tensors
-    dsources, dquery, dkey, dout_weight = torch.ops.depthmix.attnres_bwd(
-        sources, query, key_weight, out_weight, ctx.out_eps, dout, z, rstd, lse)
-    return dsources, dquery, dkey, absent(dout_weight), None, None
-
-
-_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attnres_triton(
@@ -102,7 +113,7 @@ def attnres_triton(
         ``[S, *]`` in the accumulation dtype. Statistics are fp32 (fp64 for fp64 inputs).
     """
     sources = check_sources(sources)
-    out, z, _rstd, lse = torch.ops.depthmix.attnres_fwd(
+    out, z, _rstd, lse = attnres_op(
         sources, query, key_weight, out_weight, float(eps),
         float(eps if out_eps is None else out_eps))
     if return_weights:

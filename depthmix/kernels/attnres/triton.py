@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depthmix.kernels._common import acc_dtype, sm_count, tl_dtype
+from depthmix.kernels._common import acc_dtype, cdiv, next_power_of_2, sm_count, tl_dtype
 
 MAX_HIDDEN = 16384
 """Largest hidden size: the kernels keep a token's whole row in registers."""
@@ -205,7 +205,7 @@ def attnres_bwd_kernel(
 def _tiles(d: int) -> Tuple[int, int, int]:
     """(BT tokens, BD hidden lanes, num_warps) for hidden size ``d``: about 2K elements
     per program, 8 per thread (a 16-byte vector for bf16)."""
-    bd = triton.next_power_of_2(d)
+    bd = next_power_of_2(d)
     bt = max(1, 2048 // bd)
     warps = min(16, max(1, bt * bd // 256))
     return bt, bd, warps
@@ -223,7 +223,7 @@ def _pointer_table(*groups: Sequence[Tensor], device) -> Tuple[Tensor, ...]:
         ptrs += [t.data_ptr() for t in group] + [0] * (len(group) % 2)
     host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=device.type == "cuda")
     table = host.to(device, non_blocking=True)
-    return tuple(table[start:] for start in starts)
+    return tuple(table[start:] if start else table for start in starts)
 
 
 def _num_programs(tiles: int, device) -> int:
@@ -268,7 +268,7 @@ def attnres_fwd(
     bt, bd, warps = _tiles(d)
     norm = out_weight is not None
     (table,) = _pointer_table(sources, device=first.device)
-    attnres_fwd_kernel[(triton.cdiv(t, bt),)](
+    attnres_fwd_kernel[(cdiv(t, bt),)](
         table, query, key_weight,
         out_weight if norm else query, out, z, rstd, lse,
         t, len(sources), eps, out_eps,
@@ -287,17 +287,23 @@ def attnres_bwd(
     z: Tensor,
     rstd: Tensor,
     lse: Tensor,
+    grads_as_views: bool = False,
 ) -> Tuple[List[Tensor], Tensor, Tensor, Optional[Tensor]]:
     """Returns (gradients of the sources, of ``query``, of ``key_weight``, of
-    ``out_weight`` or None)."""
+    ``out_weight`` or None). ``grads_as_views``: the source gradients are views of one
+    ``[S, *, d]`` buffer (one allocation instead of ``S``; a custom op may not return
+    outputs that alias each other, an ``autograd.Function`` may)."""
     first = sources[0]
     d = first.shape[-1]
     t = first.numel() // d
     acc = acc_dtype(first.dtype)
     dout = dout.contiguous()
-    dsources = [torch.empty_like(y) for y in sources]
+    if grads_as_views:
+        dsources = list(first.new_empty((len(sources), *first.shape)).unbind(0))
+    else:
+        dsources = [torch.empty_like(y) for y in sources]
     bt, bd, warps = _tiles(d)
-    tiles = triton.cdiv(t, bt)
+    tiles = cdiv(t, bt)
     programs = _num_programs(tiles, first.device)
     norm = out_weight is not None
     dqg = torch.empty(programs, d, dtype=acc, device=first.device)

@@ -1,9 +1,10 @@
-"""``depth_mix_triton``: the Triton depth step as two PyTorch custom ops.
+"""``depth_mix_triton``: the Triton depth step as one :class:`~depthmix.kernels._common.KernelOp`.
 
 ``depthmix::depth_mix_fwd`` and ``depthmix::depth_mix_bwd`` (``torch.library``) wrap the
 launchers of ``triton.py``; the forward carries a registered autograd formula that calls
 the backward op, and both have fake implementations, so ``torch.compile`` places them in a
-compiled layer's graph without a graph break (see :mod:`depthmix.kernels._common`).
+compiled layer's graph without a graph break; eager calls run the same launchers through a
+plain ``autograd.Function`` (see :mod:`depthmix.kernels._common`).
 
 Saved for backward: the inputs (activations that exist anyway: q/k/v are kept for
 sequence attention's backward, the sources are depth state) and the softmax log-sum-exp,
@@ -19,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from depthmix.kernels._common import absent, empty_like_contiguous, present
+from depthmix.kernels._common import KernelOp, absent, acc_dtype, empty_like_contiguous, present
 from depthmix.kernels.depth_mix.reference import Sources
 from depthmix.mixers.depth_attn import MIX_RULES, MIXED_STATES
 from depthmix.kernels.depth_mix.triton import depth_mix_bwd, depth_mix_fwd
@@ -36,10 +37,9 @@ def _grads(grad: Optional[Tensor], n_inputs: int, stacked: bool) -> List[Optiona
     return [grad] if stacked else list(grad.unbind(0))
 
 
-@torch.library.custom_op("depthmix::depth_mix_fwd", mutates_args=())
-def _fwd(query: Tensor, key: Tensor, value: Tensor, key_inputs: List[Tensor],
-         value_inputs: List[Tensor], k_stacked: bool, v_stacked: bool, softmax: bool,
-         mix_keys: bool, mix_values: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+def _forward(query: Tensor, key: Tensor, value: Tensor, key_inputs: List[Tensor],
+             value_inputs: List[Tensor], k_stacked: bool, v_stacked: bool, softmax: bool,
+             mix_keys: bool, mix_values: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
     """``(key_out, value_out, lse)``; an output the options do not produce is empty."""
     k_out, v_out, lse = depth_mix_fwd(
         query, key, value, _views(key_inputs, k_stacked), _views(value_inputs, v_stacked),
@@ -47,20 +47,10 @@ def _fwd(query: Tensor, key: Tensor, value: Tensor, key_inputs: List[Tensor],
     return present(k_out, key), present(v_out, value), present(lse, key)
 
 
-@_fwd.register_fake
-def _(query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, softmax, mix_keys,
-      mix_values, scale):
-    lse_dtype = torch.promote_types(query.dtype, torch.float32)
-    return (empty_like_contiguous(key) if mix_keys else key.new_empty(0),
-            empty_like_contiguous(value) if mix_values else value.new_empty(0),
-            key.new_empty(key.shape[:3], dtype=lse_dtype) if softmax else key.new_empty(0))
-
-
-@torch.library.custom_op("depthmix::depth_mix_bwd", mutates_args=())
-def _bwd(query: Tensor, key: Tensor, value: Tensor, key_inputs: List[Tensor],
-         value_inputs: List[Tensor], k_stacked: bool, v_stacked: bool, lse: Tensor,
-         dk_out: Tensor, dv_out: Tensor, softmax: bool, mix_keys: bool, mix_values: bool,
-         scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _backward(query: Tensor, key: Tensor, value: Tensor, key_inputs: List[Tensor],
+              value_inputs: List[Tensor], k_stacked: bool, v_stacked: bool, lse: Tensor,
+              dk_out: Optional[Tensor], dv_out: Optional[Tensor], softmax: bool, mix_keys: bool,
+              mix_values: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dsrc_keys [S, ...], dsrc_values [S, ...])``; a gradient the forward
     did not depend on is empty."""
     grads = depth_mix_bwd(
@@ -70,7 +60,63 @@ def _bwd(query: Tensor, key: Tensor, value: Tensor, key_inputs: List[Tensor],
     return tuple(present(g, like) for g, like in zip(grads, (query, key, value, key, value)))
 
 
-@_bwd.register_fake
+def _eager_forward(query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, softmax,
+                   mix_keys, mix_values, scale):
+    """:func:`_forward` outside a custom op: None for an output it does not produce."""
+    return depth_mix_fwd(
+        query, key, value, _views(key_inputs, k_stacked), _views(value_inputs, v_stacked),
+        softmax=softmax, mix_keys=mix_keys, mix_values=mix_values, scale=scale)
+
+
+def _eager_backward(query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, lse,
+                    dk_out, dv_out, softmax, mix_keys, mix_values, scale):
+    """:func:`_backward` outside a custom op: None for a gradient it does not produce."""
+    return depth_mix_bwd(
+        query, key, value, _views(key_inputs, k_stacked), _views(value_inputs, v_stacked),
+        lse, dk_out, dv_out, softmax=softmax, mix_keys=mix_keys, mix_values=mix_values,
+        scale=scale)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, *options = inputs
+    lse = output[2]
+    if lse is not None:
+        ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zeros for the lse's (or an unmixed output's) grad
+    ctx.save_for_backward(query, key, value, lse, *key_inputs, *value_inputs)
+    ctx.n_keys, ctx.stacked, ctx.options = len(key_inputs), (k_stacked, v_stacked), options
+
+
+def _gradient(ctx, backward, dk_out, dv_out, _dlse):
+    query, key, value, lse, *sources = ctx.saved_tensors
+    key_inputs, value_inputs = sources[:ctx.n_keys], sources[ctx.n_keys:]
+    (k_stacked, v_stacked), (softmax, mix_keys, mix_values, scale) = ctx.stacked, ctx.options
+    if mix_keys and dk_out is None:  # grads are not materialised: one output unused
+        dk_out = torch.zeros_like(key)
+    if mix_values and dv_out is None:
+        dv_out = torch.zeros_like(value)
+    dq, dk, dv, dsk, dsv = (absent(g) for g in backward(
+        query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, lse, dk_out, dv_out,
+        softmax, mix_keys, mix_values, scale))
+    return (dq, dk, dv, _grads(dsk, len(key_inputs), k_stacked),
+            _grads(dsv, len(value_inputs), v_stacked), None, None, None, None, None, None)
+
+
+depth_mix_op = KernelOp("depthmix::depth_mix", _forward, _backward,
+                        setup_context=_setup_context, gradient=_gradient,
+                        eager_forward=_eager_forward, eager_backward=_eager_backward)
+
+
+@depth_mix_op.forward_op.register_fake
+def _(query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, softmax, mix_keys,
+      mix_values, scale):
+    lse_dtype = acc_dtype(query.dtype)
+    return (empty_like_contiguous(key) if mix_keys else key.new_empty(0),
+            empty_like_contiguous(value) if mix_values else value.new_empty(0),
+            key.new_empty(key.shape[:3], dtype=lse_dtype) if softmax else key.new_empty(0))
+
+
+@depth_mix_op.backward_op.register_fake
 def _(query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, lse, dk_out, dv_out,
       softmax, mix_keys, mix_values, scale):
     uses_keys = softmax or mix_keys
@@ -82,27 +128,6 @@ def _(query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, lse, dk
     return (new(query, query.shape, softmax), new(key, key.shape, uses_keys),
             new(value, value.shape, mix_values), new(key, (n, *key.shape), uses_keys),
             new(value, (n, *value.shape), mix_values))
-
-
-def _setup_context(ctx, inputs, output):
-    query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, *options = inputs
-    ctx.mark_non_differentiable(output[2])
-    ctx.save_for_backward(query, key, value, output[2], *key_inputs, *value_inputs)
-    ctx.n_keys, ctx.stacked, ctx.options = len(key_inputs), (k_stacked, v_stacked), options
-
-
-def _backward(ctx, dk_out, dv_out, _dlse):
-    query, key, value, lse, *sources = ctx.saved_tensors
-    key_inputs, value_inputs = sources[:ctx.n_keys], sources[ctx.n_keys:]
-    (k_stacked, v_stacked), (softmax, mix_keys, mix_values, scale) = ctx.stacked, ctx.options
-    dq, dk, dv, dsk, dsv = (absent(g) for g in torch.ops.depthmix.depth_mix_bwd(
-        query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, lse, dk_out,
-        dv_out, softmax, mix_keys, mix_values, scale))
-    return (dq, dk, dv, _grads(dsk, len(key_inputs), k_stacked),
-            _grads(dsv, len(value_inputs), v_stacked), None, None, None, None, None, None)
-
-
-_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _split(sources: Sources) -> Tuple[List[Tensor], bool]:
@@ -170,7 +195,7 @@ def depth_mix_triton(query: Tensor, key: Tensor, value: Tensor, src_keys: Source
             raise ValueError(f"source of shape {tuple(t.shape)} does not match key "
                              f"{tuple(key.shape)}")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    key_out, value_out, _ = torch.ops.depthmix.depth_mix_fwd(
+    key_out, value_out, _ = depth_mix_op(
         query, key, value, key_inputs, value_inputs, k_stacked, v_stacked, softmax, mix_keys,
         mix_values, scale)
     return (key_out if mix_keys else key), (value_out if mix_values else value)

@@ -29,7 +29,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depthmix.kernels._common import acc_dtype, interpreting, last_dim_contiguous, tl_dtype
+from depthmix.kernels._common import (
+    acc_dtype,
+    cdiv,
+    interpreting,
+    last_dim_contiguous,
+    next_power_of_2,
+    tl_dtype,
+)
 
 MAX_HEAD_DIM = 256
 
@@ -292,8 +299,9 @@ def depth_mix_bwd_kernel(
 
 # ---- host launchers ------------------------------------------------------------------------
 def _heads_strides(x: Tensor) -> Tuple[int, int, int]:
-    assert x.stride(-1) == 1, "the head dim must be contiguous"
-    return x.stride(0), x.stride(1), x.stride(2)
+    stride = x.stride()
+    assert stride[-1] == 1, "the head dim must be contiguous"
+    return stride[:3]
 
 
 def _shared_strides(sources: Sequence[Tensor]) -> Tuple[Tuple[Tensor, ...], Tuple[int, int, int]]:
@@ -303,7 +311,8 @@ def _shared_strides(sources: Sequence[Tensor]) -> Tuple[Tuple[Tensor, ...], Tupl
     sources = tuple(sources)
     if not sources:
         return (), (0, 0, 0)
-    if any(s.stride() != sources[0].stride() or s.stride(-1) != 1 for s in sources):
+    stride = sources[0].stride()
+    if stride[-1] != 1 or any(s.stride() != stride for s in sources):
         sources = tuple(s.contiguous() for s in sources)
     return sources, _heads_strides(sources[0])
 
@@ -315,7 +324,7 @@ def _launch_geometry(query: Tensor, key: Tensor):
         raise ValueError(f"depth_mix kernel supports head dims <= {MAX_HEAD_DIM}, got {hn}")
     if np_ % ng:
         raise ValueError(f"{np_} query heads are not a multiple of {ng} KV heads")
-    block_d = max(16, triton.next_power_of_2(hn))
+    block_d = max(16, next_power_of_2(hn))
     return s * b, b, ng, hn, np_ // ng, block_d
 
 
@@ -332,9 +341,9 @@ def depth_mix_fwd(query: Tensor, key: Tensor, value: Tensor, src_keys: Sequence[
     n, b, ng, hn, g, block_d = _launch_geometry(query, key)
     k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device) if mix_keys else None
     v_out = torch.empty(value.shape, dtype=value.dtype, device=value.device) if mix_values else None
-    lse = (torch.empty(key.shape[:3], dtype=torch.promote_types(query.dtype, torch.float32),
-                       device=key.device) if softmax else None)
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]), ng)  # noqa: E731
+    lse = (torch.empty(key.shape[:3], dtype=acc_dtype(query.dtype), device=key.device)
+           if softmax else None)
+    grid = lambda meta: (cdiv(n, meta["BLOCK_T"]), ng)  # noqa: E731
     depth_mix_fwd_kernel[grid](
         query, key, value, src_k, src_v,
         k_out if mix_keys else key, v_out if mix_values else value, lse if softmax else key,
@@ -372,7 +381,7 @@ def depth_mix_bwd(query: Tensor, key: Tensor, value: Tensor, src_keys: Sequence[
     dsk = new(src_k[0], (num_src, *key.shape)) if uses_keys else None
     dsv = new(src_v[0], (num_src, *value.shape)) if mix_values else None
     dummy = key
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]), ng)  # noqa: E731
+    grid = lambda meta: (cdiv(n, meta["BLOCK_T"]), ng)  # noqa: E731
     depth_mix_bwd_kernel[grid](
         query, key, value, src_k, src_v, lse if softmax else dummy,
         dk_out if mix_keys else dummy, dv_out if mix_values else dummy,
@@ -385,6 +394,6 @@ def depth_mix_bwd(query: Tensor, key: Tensor, value: Tensor, src_keys: Sequence[
         scale,
         G=g, NUM_SRC=num_src, SOFTMAX=softmax, MIX_KEYS=mix_keys, MIX_VALUES=mix_values,
         ACC=tl_dtype(acc_dtype(query.dtype)), BLOCK_D=block_d,
-        BLOCK_S=max(2, triton.next_power_of_2(num_src)),
+        BLOCK_S=max(2, next_power_of_2(num_src)),
     )
     return dq, dk, dv, dsk, dsv

@@ -1,7 +1,9 @@
-"""The Triton launchers (``triton.py``) as PyTorch custom ops, one forward/backward pair
-per op (``depthmix::sinkhorn_*``, ``depthmix::mhc_read_*``, ``depthmix::mhc_post_res_*``),
-with fake implementations and registered autograd formulas (see
-:mod:`depthmix.kernels._common`), so a compiled layer calls them without a graph break."""
+"""The Triton launchers (``triton.py``) as :class:`~depthmix.kernels._common.KernelOp`\ s,
+one forward/backward pair of custom ops each (``depthmix::sinkhorn_*``,
+``depthmix::mhc_read_*``, ``depthmix::mhc_post_res_*``) with fake implementations and
+registered autograd formulas, so a compiled layer calls them without a graph break; eager
+calls run the same launchers through plain ``autograd.Function``\ s (see
+:mod:`depthmix.kernels._common`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from depthmix.kernels._common import absent, acc_dtype, empty_like_contiguous, present
+from depthmix.kernels._common import KernelOp, absent, acc_dtype, empty_like_contiguous, present
 from depthmix.kernels.mhc import triton as kernels
 from depthmix.kernels.mhc.reference import MHCOps
 
@@ -19,25 +21,13 @@ def _contiguous(t):
     return None if t is None else t.contiguous()
 
 
-# ---- Sinkhorn: logits [R, n, n] -> fp32; saves only the logits ----------------------------
-@torch.library.custom_op("depthmix::sinkhorn_fwd", mutates_args=())
-def _sinkhorn_fwd(logits: Tensor, iters: int) -> Tensor:
+# ---- Sinkhorn: logits [..., n, n] -> fp32; saves only the logits ----------------------------
+def _sinkhorn_forward(logits: Tensor, iters: int) -> Tensor:
     return kernels.sinkhorn_fwd(logits, iters)
 
 
-@_sinkhorn_fwd.register_fake
-def _(logits, iters):
-    return logits.new_empty(logits.shape, dtype=acc_dtype(logits.dtype))
-
-
-@torch.library.custom_op("depthmix::sinkhorn_bwd", mutates_args=())
-def _sinkhorn_bwd(logits: Tensor, grad: Tensor, iters: int) -> Tensor:
+def _sinkhorn_backward(logits: Tensor, grad: Tensor, iters: int) -> Tensor:
     return kernels.sinkhorn_bwd(logits, grad.contiguous(), iters)
-
-
-@_sinkhorn_bwd.register_fake
-def _(logits, grad, iters):
-    return empty_like_contiguous(logits)
 
 
 def _sinkhorn_setup(ctx, inputs, output):
@@ -45,49 +35,45 @@ def _sinkhorn_setup(ctx, inputs, output):
     ctx.save_for_backward(logits)
 
 
-def _sinkhorn_backward(ctx, grad):
+def _sinkhorn_gradient(ctx, backward, grad):
     (logits,) = ctx.saved_tensors
-    return torch.ops.depthmix.sinkhorn_bwd(logits, grad, ctx.iters), None
+    return backward(logits, grad, ctx.iters), None
 
 
-_sinkhorn_fwd.register_autograd(_sinkhorn_backward, setup_context=_sinkhorn_setup)
+sinkhorn_op = KernelOp("depthmix::sinkhorn", _sinkhorn_forward, _sinkhorn_backward,
+                       setup_context=_sinkhorn_setup, gradient=_sinkhorn_gradient)
 
 
-# ---- launch 1: x [T, n, h] -> (x_in, h_pre, h_post, h_res) -------------------------------
+@sinkhorn_op.forward_op.register_fake
+def _(logits, iters):
+    return logits.new_empty(logits.shape, dtype=acc_dtype(logits.dtype))
+
+
+@sinkhorn_op.backward_op.register_fake
+def _(logits, grad, iters):
+    return empty_like_contiguous(logits)
+
+
+# ---- launch 1: x [..., n, h] -> (x_in, h_pre, h_post, h_res) -----------------------------
 # Saves x, the parameters and per token h_pre, the dynamic logits (m values) and rstd: the
 # Sinkhorn iterates and the normalised streams are recomputed in the backward.
-@torch.library.custom_op("depthmix::mhc_read_fwd", mutates_args=())
-def _read_fwd(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, variant: str, iters: int,
-              eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _read_forward(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, variant: str,
+                  iters: int, eps: float
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(x_in, h_pre, h_post, h_res, dyn, rstd)``; ``h_res`` is empty for ``identity``."""
     x_in, h_pre, h_post, h_res, dyn, rstd = kernels.mhc_read_fwd(
         x, phi, alpha, bias, variant, iters, eps)
     return x_in, h_pre, h_post, present(h_res, h_post), dyn, rstd
 
 
-@_read_fwd.register_fake
-def _(x, phi, alpha, bias, variant, iters, eps):
-    tokens, n, h = x.shape
-    coef = x.new_empty((tokens, n), dtype=acc_dtype(x.dtype))
-    h_res = coef.new_empty((tokens, n, n) if variant != "identity" else (0,))
-    return (x.new_empty((tokens, h)), coef, torch.empty_like(coef), h_res,
-            coef.new_empty((tokens, phi.shape[1])), coef.new_empty((tokens,)))
-
-
-@torch.library.custom_op("depthmix::mhc_read_bwd", mutates_args=())
-def _read_bwd(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, h_pre: Tensor, dyn: Tensor,
-              rstd: Tensor, g_xin: Tensor, g_pre: Optional[Tensor], g_post: Optional[Tensor],
-              g_res: Optional[Tensor], variant: str, iters: int
-              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _read_backward(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, h_pre: Tensor,
+                   dyn: Tensor, rstd: Tensor, g_xin: Tensor, g_pre: Optional[Tensor],
+                   g_post: Optional[Tensor], g_res: Optional[Tensor], variant: str, iters: int
+                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dx, dphi, dalpha, dbias)``; a None coefficient gradient is skipped."""
     return kernels.mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin.contiguous(),
                                 _contiguous(g_pre), _contiguous(g_post), _contiguous(g_res),
                                 variant, iters)
-
-
-@_read_bwd.register_fake
-def _(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res, variant, iters):
-    return tuple(empty_like_contiguous(t) for t in (x, phi, alpha, bias))
 
 
 def _read_setup(ctx, inputs, output):
@@ -98,33 +84,50 @@ def _read_setup(ctx, inputs, output):
     ctx.save_for_backward(x, phi, alpha, bias, h_pre, dyn, rstd)
 
 
-def _read_backward(ctx, g_xin, g_pre, g_post, g_res, _g_dyn, _g_rstd):
+def _read_gradient(ctx, backward, g_xin, g_pre, g_post, g_res, _g_dyn, _g_rstd):
     x, phi, alpha, bias, h_pre, dyn, rstd = ctx.saved_tensors
     if g_xin is None:
-        g_xin = x.new_zeros(x.shape[0], x.shape[2])
-    dx, dphi, dalpha, dbias = torch.ops.depthmix.mhc_read_bwd(
+        g_xin = x.new_zeros(x.shape[:-2] + x.shape[-1:])  # [..., h]
+    dx, dphi, dalpha, dbias = backward(
         x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, absent(g_res),
         ctx.variant, ctx.iters)
     return dx, dphi, dalpha, dbias, None, None, None
 
 
-_read_fwd.register_autograd(_read_backward, setup_context=_read_setup)
+def _read_eager_backward(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res,
+                         variant, iters):
+    """:func:`_read_backward` outside a custom op: ``dalpha``, ``dbias`` views of one sum."""
+    return kernels.mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin.contiguous(),
+                                _contiguous(g_pre), _contiguous(g_post), _contiguous(g_res),
+                                variant, iters, grads_as_views=True)
+
+
+read_op = KernelOp("depthmix::mhc_read", _read_forward, _read_backward,
+                   setup_context=_read_setup, gradient=_read_gradient,
+                   eager_forward=kernels.mhc_read_fwd, eager_backward=_read_eager_backward)
+
+
+@read_op.forward_op.register_fake
+def _(x, phi, alpha, bias, variant, iters, eps):
+    *lead, n, h = x.shape
+    coef = x.new_empty((*lead, n), dtype=acc_dtype(x.dtype))
+    h_res = coef.new_empty((*lead, n, n) if variant != "identity" else (0,))
+    return (x.new_empty((*lead, h)), coef, torch.empty_like(coef), h_res,
+            coef.new_empty((*lead, phi.shape[1])), coef.new_empty(lead))
+
+
+@read_op.backward_op.register_fake
+def _(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res, variant, iters):
+    return tuple(empty_like_contiguous(t) for t in (x, phi, alpha, bias))
 
 
 # ---- launch 2: X' = H_res X + H_post^T y; saves its inputs (no intermediates) -------------
-@torch.library.custom_op("depthmix::mhc_post_res_fwd", mutates_args=())
-def _post_res_fwd(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor]) -> Tensor:
+def _post_res_forward(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor]) -> Tensor:
     return kernels.mhc_post_res_fwd(x, y, h_post, h_res)
 
 
-@_post_res_fwd.register_fake
-def _(x, y, h_post, h_res):
-    return empty_like_contiguous(x)
-
-
-@torch.library.custom_op("depthmix::mhc_post_res_bwd", mutates_args=())
-def _post_res_bwd(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor], grad: Tensor
-                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _post_res_backward(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor],
+                       grad: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dx, dy, dh_post, dh_res)``; without ``h_res`` (identity) ``dx`` is ``grad`` itself,
     which an op may not return: both ``dx`` and ``dh_res`` are empty then."""
     dx, dy, dh_post, dh_res = kernels.mhc_post_res_bwd(x, y, h_post, h_res, grad)
@@ -133,26 +136,33 @@ def _post_res_bwd(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor],
     return present(dx, x), dy, dh_post, present(dh_res, h_post)
 
 
-@_post_res_bwd.register_fake
+def _post_res_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _post_res_gradient(ctx, backward, grad):
+    x, y, h_post, h_res = ctx.saved_tensors
+    grad = grad.contiguous()
+    dx, dy, dh_post, dh_res = backward(x, y, h_post, h_res, grad)
+    return (grad if h_res is None else dx), dy, dh_post, absent(dh_res)
+
+
+post_res_op = KernelOp("depthmix::mhc_post_res", _post_res_forward, _post_res_backward,
+                       setup_context=_post_res_setup, gradient=_post_res_gradient,
+                       eager_backward=kernels.mhc_post_res_bwd)
+
+
+@post_res_op.forward_op.register_fake
+def _(x, y, h_post, h_res):
+    return empty_like_contiguous(x)
+
+
+@post_res_op.backward_op.register_fake
 def _(x, y, h_post, h_res, grad):
     like = empty_like_contiguous
     if h_res is None:
         return x.new_empty(0), like(y), like(h_post), h_post.new_empty(0)
     return like(x), like(y), like(h_post), like(h_res)
-
-
-def _post_res_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _post_res_backward(ctx, grad):
-    x, y, h_post, h_res = ctx.saved_tensors
-    grad = grad.contiguous()
-    dx, dy, dh_post, dh_res = torch.ops.depthmix.mhc_post_res_bwd(x, y, h_post, h_res, grad)
-    return (grad if h_res is None else dx), dy, dh_post, absent(dh_res)
-
-
-_post_res_fwd.register_autograd(_post_res_backward, setup_context=_post_res_setup)
 
 
 # ---------------------------------------------------------------------------------------
@@ -169,9 +179,7 @@ def sinkhorn_triton(logits: torch.Tensor, iters: int) -> torch.Tensor:
     the exact gradient of this fixed-iteration map, recomputing the iterates (nothing but
     the logits is saved).
     """
-    n = logits.shape[-1]
-    out = torch.ops.depthmix.sinkhorn_fwd(logits.reshape(-1, n, n).contiguous(), iters)
-    return out.view(logits.shape)
+    return sinkhorn_op(logits.contiguous(), iters)
 
 
 def mhc_read_triton(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
@@ -187,13 +195,10 @@ def mhc_read_triton(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bia
     Returns: ``x_in [..., h]`` in x.dtype, ``h_pre [..., n]``, ``h_post [..., n]``,
     ``h_res [..., n, n]`` (None for ``identity``), the coefficients in fp32 (fp64 for fp64).
     """
-    lead, (n, h) = x.shape[:-2], x.shape[-2:]
-    x_in, h_pre, h_post, h_res, _dyn, _rstd = torch.ops.depthmix.mhc_read_fwd(
-        x.reshape(-1, n, h).contiguous(), phi.contiguous(), alpha.contiguous(),
-        bias.contiguous(), variant, sinkhorn_iters, eps)
-    h_res = absent(h_res)
-    return (x_in.view(*lead, h), h_pre.view(*lead, n), h_post.view(*lead, n),
-            None if h_res is None else h_res.view(*lead, n, n))
+    x_in, h_pre, h_post, h_res, _dyn, _rstd = read_op(
+        x.contiguous(), phi.contiguous(), alpha.contiguous(), bias.contiguous(), variant,
+        sinkhorn_iters, eps)
+    return x_in, h_pre, h_post, absent(h_res)
 
 
 def mhc_post_res_triton(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor,
@@ -205,12 +210,8 @@ def mhc_post_res_triton(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor,
     ``h_res [..., n, n]`` or None (identity) -> ``[..., n, h]`` in x.dtype (fp32 arithmetic
     for fp32/bf16, fp64 for fp64 coefficients).
     """
-    n, h = x.shape[-2:]
-    out = torch.ops.depthmix.mhc_post_res_fwd(
-        x.reshape(-1, n, h).contiguous(), y.reshape(-1, h).contiguous(),
-        h_post.reshape(-1, n).contiguous(),
-        None if h_res is None else h_res.reshape(-1, n, n).contiguous())
-    return out.view(x.shape)
+    return post_res_op(x.contiguous(), y.contiguous(), h_post.contiguous(),
+                       None if h_res is None else h_res.contiguous())
 
 
 mhc_triton = MHCOps(read=mhc_read_triton, post_res=mhc_post_res_triton)

@@ -33,7 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
-from depthmix.kernels._common import acc_dtype, interpreting, sm_count, tl_dtype
+from depthmix.kernels._common import (
+    acc_dtype,
+    cdiv,
+    interpreting,
+    next_power_of_2,
+    sm_count,
+    tl_dtype,
+)
 
 VARIANT_IDS = {"mhc": 0, "hc": 1, "identity": 2}
 
@@ -506,7 +513,7 @@ def _dot_precision(t: torch.Tensor) -> str:
 
 def _pad(n: int) -> Tuple[int, int]:
     """(NP, P2): padded streams for the res block (NP*NP >= 16) and the pre|post width."""
-    return max(4, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(2 * n))
+    return max(4, next_power_of_2(n)), max(16, next_power_of_2(2 * n))
 
 
 def _block_t(t: torch.Tensor) -> int:
@@ -515,45 +522,53 @@ def _block_t(t: torch.Tensor) -> int:
     return 16 if interpreting() else 32
 
 
+def _rows(x: torch.Tensor) -> int:
+    """The rows (tokens, matrices) of ``x [..., a, b]``: the launchers take any leading dims
+    of a contiguous tensor, and allocate their outputs with them (no reshapes around)."""
+    return x.numel() // (x.shape[-1] * x.shape[-2])
+
+
 def sinkhorn_fwd(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """``logits [R, n, n]`` (contiguous) -> ``[R, n, n]`` fp32 (fp64 for fp64)."""
-    R, n, _ = logits.shape
+    """``logits [..., n, n]`` (contiguous) -> ``[..., n, n]`` fp32 (fp64 for fp64)."""
+    R, n = _rows(logits), logits.shape[-1]
     out = torch.empty(logits.shape, dtype=acc_dtype(logits.dtype), device=logits.device)
     BR = 64
-    sinkhorn_fwd_kernel[(triton.cdiv(R, BR),)](
-        logits, out, R, iters, N=n, NP=triton.next_power_of_2(n), ACC=_tl(logits.dtype), BR=BR)
+    sinkhorn_fwd_kernel[(cdiv(R, BR),)](
+        logits, out, R, iters, N=n, NP=next_power_of_2(n), ACC=_tl(logits.dtype), BR=BR)
     return out
 
 
 def sinkhorn_bwd(logits: torch.Tensor, grad: torch.Tensor, iters: int) -> torch.Tensor:
-    R, n, _ = logits.shape
+    R, n = _rows(logits), logits.shape[-1]
     dz = torch.empty(logits.shape, dtype=acc_dtype(logits.dtype), device=logits.device)
     BR = 64
-    sinkhorn_bwd_kernel[(triton.cdiv(R, BR),)](
-        logits, grad, dz, R, iters, N=n, NP=triton.next_power_of_2(n), ACC=_tl(logits.dtype),
+    sinkhorn_bwd_kernel[(cdiv(R, BR),)](
+        logits, grad, dz, R, iters, N=n, NP=next_power_of_2(n), ACC=_tl(logits.dtype),
         BR=BR)
     return dz.to(logits.dtype)
 
 
 def mhc_read_fwd(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
                  variant: str, iters: int, eps: float):
-    """``x [T, n, h]`` contiguous -> ``x_in [T, h]`` (x.dtype), ``h_pre [T, n]``,
-    ``h_post [T, n]``, ``h_res [T, n, n]`` or None, and for the backward the dynamic logits
-    ``dyn [T, m]`` and ``rstd [T]`` (all fp32; fp64 for fp64 x)."""
-    T, n, H = x.shape
+    """``x [..., n, h]`` contiguous (``T`` tokens in its leading dims) -> ``x_in [..., h]``
+    (x.dtype), ``h_pre [..., n]``, ``h_post [..., n]``, ``h_res [..., n, n]`` or None, and
+    for the backward the dynamic logits ``dyn [..., m]`` and ``rstd [...]`` (all fp32; fp64
+    for fp64 x)."""
+    *lead, n, H = x.shape
+    T = _rows(x)
     m = phi.shape[1]
     acc = acc_dtype(x.dtype)
     dev = x.device
     NP, P2 = _pad(n)
-    x_in = torch.empty((T, H), dtype=x.dtype, device=dev)
-    h_pre = torch.empty((T, n), dtype=acc, device=dev)
-    h_post = torch.empty((T, n), dtype=acc, device=dev)
+    x_in = torch.empty((*lead, H), dtype=x.dtype, device=dev)
+    h_pre = torch.empty((*lead, n), dtype=acc, device=dev)
+    h_post = torch.empty((*lead, n), dtype=acc, device=dev)
     has_res = variant != "identity"
-    h_res = torch.empty((T, n, n), dtype=acc, device=dev) if has_res else h_post
-    dyn = torch.empty((T, m), dtype=acc, device=dev)
-    rstd = torch.empty((T,), dtype=acc, device=dev)
+    h_res = torch.empty((*lead, n, n), dtype=acc, device=dev) if has_res else h_post
+    dyn = torch.empty((*lead, m), dtype=acc, device=dev)
+    rstd = torch.empty(lead, dtype=acc, device=dev)
     BT = _block_t(x)
-    mhc_read_fwd_kernel[(triton.cdiv(T, BT),)](
+    mhc_read_fwd_kernel[(cdiv(T, BT),)](
         x, phi, alpha, bias, x_in, h_pre, h_post, h_res, dyn, rstd, T, H, eps, iters,
         N=n, M=m, NP=NP, P2=P2, VARIANT=VARIANT_IDS[variant], ACC=_tl(x.dtype),
         DOT_PREC=_dot_precision(x), BT=BT, BK=64, BH=64, num_warps=4)
@@ -561,19 +576,21 @@ def mhc_read_fwd(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: 
 
 
 def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res,
-                 variant: str, iters: int):
+                 variant: str, iters: int, grads_as_views: bool = False):
     """Gradients ``(dx, dphi, dalpha, dbias)`` of :func:`mhc_read_fwd` (two launches, plus
-    one sum over the per-tile partials of the parameter gradients)."""
-    T, n, H = x.shape
+    one sum over the per-tile partials of the parameter gradients). ``grads_as_views``:
+    ``dalpha`` and ``dbias`` may be views of one buffer (not from a custom op)."""
+    T, (n, H) = _rows(x), x.shape[-2:]
     m = phi.shape[1]
     acc = acc_dtype(x.dtype)
     dev = x.device
     NP, P2 = _pad(n)
     BT = _block_t(x)
-    tiles = triton.cdiv(T, BT)
+    tiles = cdiv(T, BT)
     dds = torch.empty((T, m), dtype=acc, device=dev)
     coef = torch.empty((T,), dtype=acc, device=dev)
-    part = torch.zeros((tiles, 3 + m), dtype=acc, device=dev)
+    # every tile writes its whole row (identity: but for column 2, which is dropped)
+    part = torch.empty((tiles, 3 + m), dtype=acc, device=dev)
     dummy = dyn
     mhc_read_bwd_coef_kernel[(tiles,)](
         x, g_xin, dummy if g_pre is None else g_pre, dummy if g_post is None else g_post,
@@ -582,13 +599,13 @@ def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_
         HAS_GPRE=g_pre is not None, HAS_GPOST=g_post is not None,
         HAS_GRES=g_res is not None, BT=BT, BH=64, num_warps=4)
     BH = 64
-    blocks = n * triton.cdiv(H, BH)
+    blocks = n * cdiv(H, BH)
     # token chunks: enough programs to fill the GPU (two chunks in the interpreter, so the
     # partial-sum path is exercised by the CPU tests)
-    chunks = max(1, min(tiles, triton.cdiv(4 * sm_count(x.device), blocks))) if x.is_cuda \
+    chunks = max(1, min(tiles, cdiv(4 * sm_count(x.device), blocks))) if x.is_cuda \
         else min(tiles, 2)
-    per_chunk = triton.cdiv(tiles, chunks)
-    chunks = triton.cdiv(tiles, per_chunk)
+    per_chunk = cdiv(tiles, chunks)
+    chunks = cdiv(tiles, per_chunk)
     dx = torch.empty_like(x)
     dphi = torch.empty((chunks, n * H, m), dtype=acc, device=dev)
     mhc_read_bwd_x_kernel[(blocks, chunks)](
@@ -596,39 +613,42 @@ def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_
         N=n, M=m, NP=NP, P2=P2, VARIANT=VARIANT_IDS[variant], ACC=_tl(x.dtype),
         DOT_PREC=_dot_precision(x), BT=BT, BH=BH, num_warps=4)
     dphi = dphi.sum(0) if chunks > 1 else dphi[0]
-    sums = part.sum(0)
+    sums = part.sum(0)  # [alpha (2 or 3) | unused | bias]
     gates = alpha.numel()
-    # copies: the op's outputs may not be views of one another (torch.library custom ops)
-    return (dx, dphi.to(phi.dtype), sums[:gates].to(alpha.dtype, copy=True),
-            sums[3:].to(bias.dtype, copy=True))
+    if grads_as_views and sums.dtype == alpha.dtype == bias.dtype:
+        dalpha, _, dbias = sums.split([gates, 3 - gates, m])
+    else:  # copies: a custom op's outputs may not be views of one another
+        dalpha, dbias = sums[:gates].to(alpha.dtype, copy=True), sums[3:].to(bias.dtype, copy=True)
+    return dx, dphi.to(phi.dtype), dalpha, dbias
 
 
 def mhc_post_res_fwd(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor,
                      h_res: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x [T, n, h]``, ``y [T, h]``, ``h_post [T, n]``, ``h_res [T, n, n]`` or None ->
-    ``[T, n, h]`` in x.dtype (fp32 arithmetic)."""
-    T, n, H = x.shape
+    """``x [..., n, h]``, ``y [..., h]``, ``h_post [..., n]``, ``h_res [..., n, n]`` or None
+    (contiguous, ``T`` tokens in the leading dims) -> ``[..., n, h]`` in x.dtype (fp32
+    arithmetic)."""
+    T, (n, H) = _rows(x), x.shape[-2:]
     out = torch.empty_like(x)
     BT, BH = _block_t(x), 64
-    mhc_post_res_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
+    mhc_post_res_fwd_kernel[(cdiv(T, BT), cdiv(H, BH))](
         x, y, h_post, h_post if h_res is None else h_res, out, T, H,
-        N=n, NP=triton.next_power_of_2(n), HAS_RES=h_res is not None,
+        N=n, NP=next_power_of_2(n), HAS_RES=h_res is not None,
         ACC=_tl(h_post.dtype), BT=BT, BH=BH, num_warps=4)
     return out
 
 
 def mhc_post_res_bwd(x, y, h_post, h_res, g):
     """``(dx, dy, dh_post, dh_res)``; ``dx`` is ``g`` itself when ``h_res`` is None."""
-    T, n, H = x.shape
+    T, (n, H) = _rows(x), x.shape[-2:]
     dx = g if h_res is None else torch.empty_like(x)
     dy = torch.empty_like(y)
     dh_post = torch.empty_like(h_post)
     dh_res = None if h_res is None else torch.empty_like(h_res)
     BT = _block_t(x)
-    mhc_post_res_bwd_kernel[(triton.cdiv(T, BT),)](
+    mhc_post_res_bwd_kernel[(cdiv(T, BT),)](
         x, y, h_post, h_post if h_res is None else h_res, g, dx, dy, dh_post,
         h_post if h_res is None else dh_res, T, H,
-        N=n, NP=triton.next_power_of_2(n), HAS_RES=h_res is not None,
+        N=n, NP=next_power_of_2(n), HAS_RES=h_res is not None,
         ACC=_tl(h_post.dtype), BT=BT, BH=64, num_warps=8)  # 4 warps spill on sm_90
     return dx, dy, dh_post, dh_res
 

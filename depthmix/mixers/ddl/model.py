@@ -62,10 +62,10 @@ def ddl_write(x: Tensor, y: Tensor, x_in: Tensor, beta_weight: Tensor, beta_bias
     logit = (xn @ beta_weight.to(xn.dtype)).unsqueeze(-1) + beta_bias.to(xn.dtype)
     beta = 2.0 * torch.sigmoid(logit)  # [..., 1]
     v = v_scale * torch.sigmoid(xin32 @ v_weight.to(xin32.dtype).t() + v_bias.to(xin32.dtype))
-    kx = k.to(x.dtype)
-    proj = (kx.unsqueeze(-1) * x).sum(dim=-2, dtype=k.dtype)  # k^T X  [..., d_v]
+    kx = k.to(x.dtype).unsqueeze(-1)  # [..., h, 1], one view for both uses
+    proj = (kx * x).sum(dim=-2, dtype=k.dtype)  # k^T X  [..., d_v]
     delta = beta * (v - proj)  # [..., d_v]
-    return x + kx.unsqueeze(-1) * delta.to(x.dtype).unsqueeze(-2), beta
+    return x + kx * delta.to(x.dtype).unsqueeze(-2), beta
 
 
 _SUBLAYER_SEED = {"attn": 505, "mlp": 606}

@@ -1,0 +1,66 @@
+"""tools/bench_host.py: per-layer host time and ATen calls of each training-step phase, with
+the Triton kernels' launches as no-ops."""
+
+import pytest
+import torch
+
+from depthmix.kernels.dispatch import triton_status
+from tools_modules import load_tool
+
+needs_triton = pytest.mark.skipif(not triton_status()[0], reason=triton_status()[1])
+
+
+@needs_triton
+def test_the_counter_sees_inside_the_kernel_ops_on_both_entries():
+    """The launcher's own allocations count whether the op runs as a custom op (one call
+    more: the op itself) or through its autograd.Function; the launch does nothing."""
+    from depthmix.kernels._common import custom_ops_in_eager
+    from depthmix.kernels.mhc.function import mhc_read_triton
+
+    tool = load_tool("bench_host")
+    x, phi = torch.randn(3, 1, 4, 16), torch.randn(64, 24)
+    alpha, bias = torch.full((3,), 0.01), torch.randn(24)
+    counts = {}
+    with tool.no_kernel_launches():
+        for entry in ("function", "custom_op"):
+            counter = tool.AtenCounter()
+            with custom_ops_in_eager() if entry == "custom_op" else torch.no_grad(), counter:
+                x_in, *_ = mhc_read_triton(x, phi, alpha, bias)
+            counts[entry] = counter.ops
+            assert not x_in.any()  # zero-filled, not computed
+    empty = ("other", "aten.empty.memory_format")
+    assert counts["function"][empty] == counts["custom_op"][empty] == 6  # the six outputs
+    assert counts["custom_op"][("other", "depthmix.mhc_read_fwd.default")] == 1
+    assert sum(counts["custom_op"].values()) == sum(counts["function"].values()) + 1
+
+
+@needs_triton
+def test_rows_per_phase_for_the_torch_and_the_kernel_path(megatron_single, tmp_path, monkeypatch):
+    """Two layers, one timed and one counted step each: every phase has a time and calls,
+    the kernel path's step stays finite with its launches skipped, the CPU shim is back
+    afterwards, and the table compares each row with vanilla."""
+    from torch.overrides import _get_current_function_mode
+
+    monkeypatch.chdir(tmp_path)  # the trainers' output directories
+    tool = load_tool("bench_host")
+    args = tool.parse_args(["--layers", "2", "--steps", "1", "--warmup", "1"])
+    shim = _get_current_function_mode()
+    rows = tool.measure([("vanilla", "torch", False), ("mhc", "triton", False)], args)
+    assert _get_current_function_mode() is shim
+    for row in rows:
+        assert all(row["host_us"][p] > 0 and row["aten_calls"][p] > 0 for p in tool.PHASES)
+        assert row["loss"] == row["loss"]  # finite: the no-op launches zero their outputs
+    vanilla, mhc = rows
+    assert mhc["aten_calls"]["forward"] > vanilla["aten_calls"]["forward"]
+    table = tool.table(rows).splitlines()
+    assert len(table) == 4 and table[2].startswith("| vanilla | torch | eager |")
+    cells = [c.strip() for c in table[2].split("|")]
+    assert cells[8] == cells[13] == "1.00"  # vanilla's own ratios: host time, ATen calls
+
+
+def test_compile_gain_reads_the_two_vanilla_rows():
+    tool = load_tool("bench_host")
+    rows = [dict(mixer="vanilla", mode=mode, host_us=dict(forward=f, backward=b))
+            for mode, f, b in (("eager", 300.0, 500.0), ("compiled", 100.0, 200.0))]
+    assert tool.compile_gain(rows).endswith("compiled 300 / eager 800 = 0.38")
+    assert tool.compile_gain(rows[:1]) == ""
