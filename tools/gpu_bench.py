@@ -836,7 +836,7 @@ def async_resume(mx: Matrix, options: dict) -> dict:
     weights must equal A's bit for bit; C shows whether the steps are deterministic at all
     (if not, a mismatch of B is not the checkpoint's). While A's step-3 write is held
     in flight (``DEPTHMIX_CKPT_WRITER_DELAY``), its writer must not be a GPU process."""
-    from depthmix.checkpoint.store import step_dir
+    from depthmix.checkpoint.store import list_checkpoints
     from depthmix.megatron_ext.model import unwrap
     from depthmix.pretrain.callbacks import Callback, CheckpointCallback
     from depthmix.pretrain.trainer import Trainer
@@ -891,7 +891,8 @@ def async_resume(mx: Matrix, options: dict) -> dict:
             os.environ.pop("DEPTHMIX_CKPT_WRITER_DELAY", None)
         else:
             os.environ["DEPTHMIX_CKPT_WRITER_DELAY"] = delay
-    b, wb, fb = train("B", [f"train.load_dir={step_dir(os.path.join(root, 'A_ckpt'), 3)}",
+    step3 = dict(list_checkpoints(os.path.join(root, "A_ckpt")))[3]
+    b, wb, fb = train("B", [f"train.load_dir={step3}",
                             f"train.save_dir={os.path.join(root, 'B_ckpt')}"],
                       [CheckpointCallback()])
     c, wc, _ = train("C", ["train.save_interval=0"], [])
