@@ -51,6 +51,14 @@ class ResidualOp(MegatronModule):
     def read(self, state: DepthState, ctx: ForwardContext) -> Tuple[Tensor, Any]:
         return state[HIDDEN], None
 
+    def read_normed(self, state: DepthState, ctx: ForwardContext,
+                    norm: MegatronModule) -> Tuple[Tensor, Any]:
+        """``norm`` of the sublayer input, and the token for ``write``. Here ``norm(read)``;
+        a mixer whose kernel aggregates the input can apply a plain RMSNorm in the same
+        pass (``impl=triton``), so the un-normed input never goes to memory."""
+        x, token = self.read(state, ctx)
+        return norm(x), token
+
     def write(self, state: DepthState, output: Tensor, token: Any, ctx: ForwardContext) -> None:
         hidden = state[HIDDEN] + output
         state[HIDDEN] = self.post_norm(hidden) if self.post_norm is not None else hidden
@@ -121,17 +129,16 @@ class DepthMixLayer(MegatronModule):
                                        layer_number=layer_number)
 
     def forward(self, state: DepthState, ctx: ForwardContext) -> DepthState:
-        x, token = self.attn_residual.read(state, ctx)
-        swa = self.short_swa(x, ctx)
-        if swa is not None:
-            x = x + swa
-        y = self.self_attention(self.input_layernorm(x), state, ctx)
-        if swa is not None:
-            y = y + swa
+        if not isinstance(self.short_swa, NoShortSWA):  # the norm reads x + swa
+            x, token = self.attn_residual.read(state, ctx)
+            swa = self.short_swa(x, ctx)
+            y = self.self_attention(self.input_layernorm(x + swa), state, ctx) + swa
+        else:
+            x, token = self.attn_residual.read_normed(state, ctx, self.input_layernorm)
+            y = self.self_attention(x, state, ctx)
         self.attn_residual.write(state, y, token, ctx)
 
-        x, token = self.mlp_residual.read(state, ctx)
-        x = self.pre_mlp_layernorm(x)
+        x, token = self.mlp_residual.read_normed(state, ctx, self.pre_mlp_layernorm)
         self.mlp_depth_kv(state, ctx, x)
         y, bias = self.mlp(x)
         assert bias is None, "depthmix layers are bias-free"

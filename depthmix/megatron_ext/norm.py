@@ -34,3 +34,10 @@ class QKNorm(RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6):
         super().__init__(config, hidden_size, eps, sequence_parallel=False)
+
+
+def is_plain_rmsnorm(norm) -> bool:
+    """Whether ``norm`` is exactly :class:`RMSNorm` (a subclass or another norm may do other
+    math): a kernel can then apply it from its weight and epsilon, ``x * rsqrt(mean(x^2) +
+    eps) * weight`` in fp32, the weight's gradient summed over the rank's tokens as here."""
+    return type(norm) is RMSNorm

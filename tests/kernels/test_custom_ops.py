@@ -4,7 +4,8 @@ implementation gives the real outputs' shapes, dtypes and strides, that no outpu
 an input, and that the registered autograd formula (whose backward is the ``*_bwd`` op)
 gives the same gradients under AOT dispatch as eagerly. Every option that changes the
 outputs is covered: mixed states and mix rules, stacked and listed sources, an output norm,
-mHC's variants, MoDA with and without depth entries (and a partly filled depth buffer).
+mHC's variants (and its read with the sublayer's input norm), MoDA with and without depth
+entries (and a partly filled depth buffer).
 What compilation does with them is ``tests/pretrain/test_compile.py``."""
 
 import dataclasses
@@ -65,10 +66,21 @@ def test_mhc(variant):
     x = _randn(tokens, n, h)
     phi, bias = (0.1 * torch.randn(n * h, m)).requires_grad_(), _randn(m)
     alpha = torch.rand(2 if variant == "identity" else 3, requires_grad=True)
-    opcheck(_op("mhc_read_fwd"), (x, phi, alpha, bias, variant, 4, 1e-6))
+    # identity: with the sublayer's input RMSNorm (a norm weight and its epsilon)
+    norm = (_randn(h), 1e-5) if variant == "identity" else ()
+    opcheck(_op("mhc_read_fwd"), (x, phi, alpha, bias, variant, 4, 1e-6, *norm))
     h_res = None if variant == "identity" else torch.rand(tokens, n, n, requires_grad=True)
     opcheck(_op("mhc_post_res_fwd"), (x, _randn(tokens, h), _randn(tokens, n), h_res))
     opcheck(_op("sinkhorn_fwd"), (_randn(tokens, n, n), 4))
+
+
+def test_ddl():
+    select("ddl", "triton")
+    s, b, h, dv = 5, 2, 24, 3
+    x, y, x_in = _randn(s, b, h, dv), _randn(s, b, h), _randn(s, b, h)
+    opcheck(_op("ddl_read_fwd"), (x, _randn(dv)))
+    opcheck(_op("ddl_write_fwd"), (x, y, x_in, _randn(h), _randn(1), _randn(dv, h), _randn(dv),
+                                   4.0, 1e-6))
 
 
 @pytest.mark.parametrize("depth,count", [(0, 0), (3, 3), (4, 2)],
@@ -129,12 +141,14 @@ def _mhc_case(variant):
     x, y = _randn(3, 2, n, h), _randn(3, 2, h)
     phi, bias = (0.1 * torch.randn(n * h, m)).requires_grad_(), _randn(m)
     alpha = torch.rand(2 if variant == "identity" else 3, requires_grad=True)
+    norm = [_randn(h)] if variant == "identity" else []  # identity: with the input norm
 
     def run():
-        x_in, h_pre, h_post, h_res = mhc_read_triton(x, phi, alpha, bias, variant, 4)
+        x_in, h_pre, h_post, h_res = mhc_read_triton(x, phi, alpha, bias, variant, 4, 1e-6,
+                                                     *norm)
         return x_in, h_pre, mhc_post_res_triton(x, y * x_in, h_post, h_res)
 
-    return [x, y, phi, alpha, bias], run
+    return [x, y, phi, alpha, bias, *norm], run
 
 
 def _sinkhorn_case(_):
@@ -142,6 +156,19 @@ def _sinkhorn_case(_):
 
     logits = _randn(2, 3, 4, 4)
     return [logits], lambda: (sinkhorn_triton(logits, 5),)
+
+
+def _ddl_case(_):
+    from depthmix.kernels.ddl.function import ddl_read_triton, ddl_write_triton
+
+    x, y, r = _randn(3, 2, 24, 3), _randn(3, 2, 24), _randn(3)
+    params = [_randn(24), _randn(1), _randn(3, 24), _randn(3)]
+
+    def run():
+        x_in = ddl_read_triton(x, r)
+        return x_in, ddl_write_triton(x, y * x_in, x_in, *params, 4.0, 1e-6)[0]
+
+    return [x, y, r, *params], run
 
 
 def _backward_nodes(outputs, depth: int = 3) -> str:
@@ -156,15 +183,16 @@ def _backward_nodes(outputs, depth: int = 3) -> str:
 
 @pytest.mark.parametrize("case,option", [
     (_depth_mix_case, False), (_depth_mix_case, True), (_attnres_case, False),
-    (_attnres_case, True), (_mhc_case, "mhc"), (_mhc_case, "identity"), (_sinkhorn_case, None)],
+    (_attnres_case, True), (_mhc_case, "mhc"), (_mhc_case, "identity"), (_sinkhorn_case, None),
+    (_ddl_case, None)],
     ids=["depth_mix", "depth_mix-stacked", "attnres", "attnres-out-norm", "mhc", "mhc-identity",
-         "sinkhorn"])
+         "sinkhorn", "ddl"])
 def test_eager_function_matches_custom_op(case, option):
     """Eager calls run the launchers through a plain autograd.Function (cheaper on the host);
     its outputs and gradients are the custom op's, bit for bit (the same launchers)."""
     from depthmix.kernels._common import custom_ops_in_eager
 
-    for op in ("depth_mix", "attnres", "mhc"):
+    for op in ("depth_mix", "attnres", "mhc", "ddl"):
         select(op, "triton")
     torch.manual_seed(0)
     inputs, run = case(option)

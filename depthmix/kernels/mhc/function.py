@@ -56,50 +56,55 @@ def _(logits, grad, iters):
 
 # ---- launch 1: x [..., n, h] -> (x_in, h_pre, h_post, h_res) -----------------------------
 # Saves x, the parameters and per token h_pre, the dynamic logits (m values) and rstd: the
-# Sinkhorn iterates and the normalised streams are recomputed in the backward.
+# Sinkhorn iterates and the normalised streams are recomputed in the backward. With a
+# norm_weight, x_in is the sublayer's RMSNorm of H_pre X (recomputed in the backward too).
 def _read_forward(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, variant: str,
-                  iters: int, eps: float
+                  iters: int, eps: float, norm_weight: Optional[Tensor] = None,
+                  norm_eps: float = 0.0
                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(x_in, h_pre, h_post, h_res, dyn, rstd)``; ``h_res`` is empty for ``identity``."""
     x_in, h_pre, h_post, h_res, dyn, rstd = kernels.mhc_read_fwd(
-        x, phi, alpha, bias, variant, iters, eps)
+        x, phi, alpha, bias, variant, iters, eps, norm_weight, norm_eps)
     return x_in, h_pre, h_post, present(h_res, h_post), dyn, rstd
 
 
 def _read_backward(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, h_pre: Tensor,
                    dyn: Tensor, rstd: Tensor, g_xin: Tensor, g_pre: Optional[Tensor],
-                   g_post: Optional[Tensor], g_res: Optional[Tensor], variant: str, iters: int
-                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dx, dphi, dalpha, dbias)``; a None coefficient gradient is skipped."""
-    return kernels.mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin.contiguous(),
-                                _contiguous(g_pre), _contiguous(g_post), _contiguous(g_res),
-                                variant, iters)
+                   g_post: Optional[Tensor], g_res: Optional[Tensor], variant: str, iters: int,
+                   norm_weight: Optional[Tensor], norm_eps: float
+                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dphi, dalpha, dbias, dnorm_weight)``; a None coefficient gradient is skipped,
+    ``dnorm_weight`` is empty without a norm."""
+    *grads, dnorm = kernels.mhc_read_bwd(
+        x, phi, alpha, bias, h_pre, dyn, rstd, g_xin.contiguous(), _contiguous(g_pre),
+        _contiguous(g_post), _contiguous(g_res), variant, iters, norm_weight, norm_eps)
+    return (*grads, present(dnorm, bias))
 
 
 def _read_setup(ctx, inputs, output):
-    x, phi, alpha, bias, ctx.variant, ctx.iters, _eps = inputs
+    x, phi, alpha, bias, ctx.variant, ctx.iters, _eps, norm_weight, ctx.norm_eps = inputs
     _x_in, h_pre, _h_post, _h_res, dyn, rstd = output
     ctx.mark_non_differentiable(dyn, rstd)
     ctx.set_materialize_grads(False)  # an unused coefficient's gradient stays None (skipped)
-    ctx.save_for_backward(x, phi, alpha, bias, h_pre, dyn, rstd)
+    ctx.save_for_backward(x, phi, alpha, bias, h_pre, dyn, rstd, norm_weight)
 
 
 def _read_gradient(ctx, backward, g_xin, g_pre, g_post, g_res, _g_dyn, _g_rstd):
-    x, phi, alpha, bias, h_pre, dyn, rstd = ctx.saved_tensors
+    x, phi, alpha, bias, h_pre, dyn, rstd, norm_weight = ctx.saved_tensors
     if g_xin is None:
         g_xin = x.new_zeros(x.shape[:-2] + x.shape[-1:])  # [..., h]
-    dx, dphi, dalpha, dbias = backward(
+    dx, dphi, dalpha, dbias, dnorm = backward(
         x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, absent(g_res),
-        ctx.variant, ctx.iters)
-    return dx, dphi, dalpha, dbias, None, None, None
+        ctx.variant, ctx.iters, norm_weight, ctx.norm_eps)
+    return dx, dphi, dalpha, dbias, None, None, None, absent(dnorm), None
 
 
 def _read_eager_backward(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res,
-                         variant, iters):
+                         variant, iters, norm_weight, norm_eps):
     """:func:`_read_backward` outside a custom op: ``dalpha``, ``dbias`` views of one sum."""
     return kernels.mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin.contiguous(),
                                 _contiguous(g_pre), _contiguous(g_post), _contiguous(g_res),
-                                variant, iters, grads_as_views=True)
+                                variant, iters, norm_weight, norm_eps, grads_as_views=True)
 
 
 read_op = KernelOp("depthmix::mhc_read", _read_forward, _read_backward,
@@ -108,7 +113,7 @@ read_op = KernelOp("depthmix::mhc_read", _read_forward, _read_backward,
 
 
 @read_op.forward_op.register_fake
-def _(x, phi, alpha, bias, variant, iters, eps):
+def _(x, phi, alpha, bias, variant, iters, eps, norm_weight=None, norm_eps=0.0):
     *lead, n, h = x.shape
     coef = x.new_empty((*lead, n), dtype=acc_dtype(x.dtype))
     h_res = coef.new_empty((*lead, n, n) if variant != "identity" else (0,))
@@ -117,8 +122,10 @@ def _(x, phi, alpha, bias, variant, iters, eps):
 
 
 @read_op.backward_op.register_fake
-def _(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res, variant, iters):
-    return tuple(empty_like_contiguous(t) for t in (x, phi, alpha, bias))
+def _(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res, variant, iters,
+      norm_weight, norm_eps):
+    grads = tuple(empty_like_contiguous(t) for t in (x, phi, alpha, bias))
+    return (*grads, bias.new_empty(0) if norm_weight is None else torch.empty_like(norm_weight))
 
 
 # ---- launch 2: X' = H_res X + H_post^T y; saves its inputs (no intermediates) -------------
@@ -183,21 +190,25 @@ def sinkhorn_triton(logits: torch.Tensor, iters: int) -> torch.Tensor:
 
 
 def mhc_read_triton(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
-                   variant: str = "mhc", sinkhorn_iters: int = 20, eps: float = 1e-6):
+                   variant: str = "mhc", sinkhorn_iters: int = 20, eps: float = 1e-6,
+                   norm_weight: Optional[torch.Tensor] = None, norm_eps: Optional[float] = None):
     """Launch 1 of an mHC sublayer (Triton; :func:`depthmix.kernels.mhc.reference.mhc_read`):
     weightless RMSNorm of the flattened streams, the coefficient projection, gates, static
     biases, sigmoid / 2 sigmoid / tanh, Sinkhorn-Knopp, and the sublayer input ``H_pre X``.
 
     Args: ``x [..., n, h]`` (any float dtype; e.g. the rank's sequence-parallel shard
     ``[s/tp, b, n, h]``), ``phi [n*h, m]``, ``alpha [3]`` (``[2]`` for identity),
-    ``bias [m]``; as in :func:`depthmix.kernels.mhc.reference.mhc_coefficients`.
+    ``bias [m]``; as in :func:`depthmix.kernels.mhc.reference.mhc_coefficients`;
+    ``norm_weight [h]``: the sublayer's input RMSNorm applied to ``H_pre X`` in the same
+    launch (None: no norm), ``norm_eps`` its epsilon (defaults to ``eps``).
 
-    Returns: ``x_in [..., h]`` in x.dtype, ``h_pre [..., n]``, ``h_post [..., n]``,
-    ``h_res [..., n, n]`` (None for ``identity``), the coefficients in fp32 (fp64 for fp64).
+    Returns: ``x_in [..., h]`` in x.dtype (normed with a ``norm_weight``), ``h_pre [..., n]``,
+    ``h_post [..., n]``, ``h_res [..., n, n]`` (None for ``identity``), the coefficients in
+    fp32 (fp64 for fp64).
     """
     x_in, h_pre, h_post, h_res, _dyn, _rstd = read_op(
         x.contiguous(), phi.contiguous(), alpha.contiguous(), bias.contiguous(), variant,
-        sinkhorn_iters, eps)
+        sinkhorn_iters, eps, norm_weight, float(eps if norm_eps is None else norm_eps))
     return x_in, h_pre, h_post, absent(h_res)
 
 

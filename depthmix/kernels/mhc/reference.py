@@ -105,16 +105,25 @@ def mhc_pre(x: Tensor, h_pre: Tensor) -> Tensor:
 
 
 def mhc_read_reference(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, variant: str = "mhc",
-             sinkhorn_iters: int = 20, eps: float = 1e-6
+             sinkhorn_iters: int = 20, eps: float = 1e-6, norm_weight: Optional[Tensor] = None,
+             norm_eps: Optional[float] = None
              ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """What a sublayer reads (the first launch of the fused kernel): the coefficients of
-    :func:`mhc_coefficients` and the sublayer input :func:`mhc_pre` cast to ``x.dtype``.
+    :func:`mhc_coefficients` and the sublayer input :func:`mhc_pre` cast to ``x.dtype``;
+    with ``norm_weight [h]`` the input goes through the sublayer's RMSNorm first
+    (``x_in rsqrt(mean(x_in^2) + norm_eps) norm_weight`` in fp32; ``norm_eps`` defaults to
+    ``eps``).
 
     Returns ``x_in [..., h]`` (x.dtype), ``h_pre [..., n]``, ``h_post [..., n]``,
     ``h_res [..., n, n]`` or None.
     """
     h_pre, h_post, h_res = mhc_coefficients(x, phi, alpha, bias, variant, sinkhorn_iters, eps)
-    return mhc_pre(x, h_pre).to(x.dtype), h_pre, h_post, h_res
+    x_in = mhc_pre(x, h_pre)
+    if norm_weight is not None:
+        norm_eps = eps if norm_eps is None else norm_eps
+        x_in = x_in * torch.rsqrt(x_in.pow(2).mean(-1, keepdim=True) + norm_eps)
+        x_in = x_in * norm_weight.to(x_in.dtype)
+    return x_in.to(x.dtype), h_pre, h_post, h_res
 
 
 def mhc_post_res_reference(x: Tensor, y: Tensor, h_post: Tensor, h_res: Optional[Tensor]) -> Tensor:
@@ -132,7 +141,8 @@ class MHCOps(NamedTuple):
     """The two launches of one mHC sublayer, as one implementation."""
 
     read: Callable
-    """``(x, phi, alpha, bias, variant, sinkhorn_iters, eps) -> (x_in, h_pre, h_post, h_res)``"""
+    """``(x, phi, alpha, bias, variant, sinkhorn_iters, eps[, norm_weight, norm_eps]) ->
+    (x_in, h_pre, h_post, h_res)``"""
     post_res: Callable
     """``(x, y, h_post, h_res) -> new streams``"""
 

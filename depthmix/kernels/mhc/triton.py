@@ -8,16 +8,20 @@ Two launches per sublayer forward (``reference.py`` has the math):
    ``RMSNorm(X) phi = rstd * (X phi)``), then in registers: gates, static biases,
    sigmoid / 2 sigmoid / tanh and the Sinkhorn-Knopp projection of the ``n x n`` logits;
    pass 2 over ``X`` forms ``H_pre X``. Coefficients and Sinkhorn are fp32 (fp64 for fp64).
+   With a ``norm_weight`` it writes the sublayer's input RMSNorm of ``H_pre X`` instead
+   (``x rsqrt(mean(x^2) + eps) w``, fp32): one more pass over ``X`` (a tile the program has
+   just read) gives the row statistic first, so ``H_pre X`` itself never goes to memory.
 2. :func:`mhc_post_res_fwd` (``mhc_post_res_fwd_kernel``), tiles of tokens x hidden:
    ``X' = H_res X + H_post^T y``, every stream read once.
 
 Backward: ``mhc_post_res_bwd_kernel`` (one launch: ``dX``, ``dy`` and the per-token
 ``dH_post``, ``dH_res`` reduced over the hidden in registers); ``mhc_read_bwd_coef_kernel``
 (per token tile: ``dH_pre = X . dx_in``, the coefficient/Sinkhorn backward, per-tile partial
-sums of the gate and bias gradients) and ``mhc_read_bwd_x_kernel`` (per block of ``phi`` rows
-and chunk of tokens: ``dX`` and the ``dphi`` partial sum of the chunk). Every reduction
-over tokens is a fixed-order partial sum, finished by one ``torch.sum`` over the partials:
-deterministic, no atomics.
+sums of the gate and bias gradients; with the norm it recomputes ``H_pre X`` and writes
+its gradient and the norm weight's per-tile partial sums) and ``mhc_read_bwd_x_kernel``
+(per block of ``phi`` rows and chunk of tokens: ``dX`` and the ``dphi`` partial sum of the
+chunk). Every reduction over tokens is a fixed-order partial sum, finished by one
+``torch.sum`` over the partials: deterministic, no atomics.
 
 Sinkhorn backward: the exact gradient of the fixed-iteration map (what the forward
 computes), by reverse-mode through the iterations, **recomputing** the iterate an
@@ -154,12 +158,24 @@ def sinkhorn_bwd_kernel(z_ptr, g_ptr, dz_ptr, R, iters,
 
 
 @triton.jit
+def _pre_chunk(x_ptr, w_pre, t64, t_mask, s_i, h0, H, N: tl.constexpr, BH: tl.constexpr):
+    """``(x_in, h, h_mask)``: ``sum_i H_pre[i] X[i]`` on hidden channels ``h0 .. h0 + BH``
+    of a token tile, ``w_pre [BT, NP]``."""
+    h = h0 + tl.arange(0, BH)
+    h_mask = h < H
+    x = tl.load(x_ptr + t64[:, None, None] * (N * H) + s_i[None, :, None] * H + h[None, None, :],
+                mask=t_mask[:, None, None] & (s_i < N)[None, :, None] & h_mask[None, None, :],
+                other=0.0).to(w_pre.dtype)
+    return tl.sum(w_pre[:, :, None] * x, axis=1), h, h_mask
+
+
+@triton.jit
 def mhc_read_fwd_kernel(
-    x_ptr, phi_ptr, alpha_ptr, bias_ptr,
+    x_ptr, phi_ptr, alpha_ptr, bias_ptr, nw_ptr,
     xin_ptr, hpre_ptr, hpost_ptr, hres_ptr, dyn_ptr, rstd_ptr,
-    T, H, eps, iters,
+    T, H, eps, norm_eps, iters,
     N: tl.constexpr, M: tl.constexpr, NP: tl.constexpr, P2: tl.constexpr,
-    VARIANT: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr,
+    VARIANT: tl.constexpr, ACC: tl.constexpr, DOT_PREC: tl.constexpr, NORM: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
 ):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -230,17 +246,22 @@ def mhc_read_fwd_kernel(
         out_off = t64[:, None, None] * (N * N) + i[None, :, None] * N + i[None, None, :]
         tl.store(hres_ptr + out_off, h_res, mask=t_mask[:, None, None] & valid)
 
-    # pass 2: x_in = sum_i H_pre[i] X[i]   (H_pre moved from the pp layout to [BT, NP])
+    # pass 2: x_in = sum_i H_pre[i] X[i]   (H_pre moved from the pp layout to [BT, NP]);
+    # NORM: the sublayer's RMSNorm, its row statistic from one more pass over X first
     s_i = tl.arange(0, NP)
     w_pre = tl.sum(tl.where(s_i[None, :, None] == c[None, None, :], h_pp[:, None, :], 0.0),
                    axis=2)
+    if NORM:
+        ssq_in = tl.zeros([BT], dtype=ACC)
+        for h0 in range(0, H, BH):
+            x_in, h, h_mask = _pre_chunk(x_ptr, w_pre, t64, t_mask, s_i, h0, H, N, BH)
+            ssq_in += tl.sum(x_in * x_in, axis=1)
+        rho = 1.0 / tl.sqrt(ssq_in / H + norm_eps)
     for h0 in range(0, H, BH):
-        h = h0 + tl.arange(0, BH)
-        h_mask = h < H
-        x = tl.load(x_ptr + t64[:, None, None] * K + s_i[None, :, None] * H + h[None, None, :],
-                    mask=t_mask[:, None, None] & (s_i < N)[None, :, None] & h_mask[None, None, :],
-                    other=0.0).to(ACC)
-        x_in = tl.sum(w_pre[:, :, None] * x, axis=1)
+        x_in, h, h_mask = _pre_chunk(x_ptr, w_pre, t64, t_mask, s_i, h0, H, N, BH)
+        if NORM:
+            w = tl.load(nw_ptr + h, mask=h_mask, other=0.0).to(ACC)
+            x_in = x_in * rho[:, None] * w[None, :]
         tl.store(xin_ptr + t64[:, None] * H + h[None, :], x_in.to(xin_ptr.dtype.element_ty),
                  mask=t_mask[:, None] & h_mask[None, :])
 
@@ -248,16 +269,23 @@ def mhc_read_fwd_kernel(
 @triton.jit
 def mhc_read_bwd_coef_kernel(
     x_ptr, gxin_ptr, gpre_ptr, gpost_ptr, gres_ptr, dyn_ptr, rstd_ptr, alpha_ptr, bias_ptr,
+    hpre_ptr, nw_ptr, gin_ptr, dnw_ptr,
     dds_ptr, coef_ptr, part_ptr,
-    T, H, iters,
+    T, H, norm_eps, iters,
     N: tl.constexpr, M: tl.constexpr, NP: tl.constexpr, P2: tl.constexpr,
-    VARIANT: tl.constexpr, ACC: tl.constexpr,
+    VARIANT: tl.constexpr, ACC: tl.constexpr, NORM: tl.constexpr,
     HAS_GPRE: tl.constexpr, HAS_GPOST: tl.constexpr, HAS_GRES: tl.constexpr,
     BT: tl.constexpr, BH: tl.constexpr,
 ):
     """Per token: ``dd`` (gradient of the dynamic logits ``d = RMSNorm(X) phi``); stores
     ``rstd * dd`` and the RMSNorm correction ``rstd^2 (dd . d) / (n h)``, and this tile's
-    partial sums of the gate (3) and bias (m) gradients."""
+    partial sums of the gate (3) and bias (m) gradients.
+
+    NORM (the output went through ``RMSNorm(x_in) * w``; ``gxin`` is its gradient): two
+    passes over the hidden recompute ``x_in``; the first gives ``rho = rsqrt(mean(x_in^2) +
+    eps)`` and ``c = mean(x_in * g * w)``, the second the gradient of ``x_in``,
+    ``rho g w - rho^3 c x_in`` (stored for the dX kernel), and this tile's partial sum of
+    the weight's gradient ``sum_t g x_in rho``."""
     pid = tl.program_id(0)
     t = pid * BT + tl.arange(0, BT)
     t_mask = t < T
@@ -270,6 +298,20 @@ def mhc_read_bwd_coef_kernel(
 
     # dH_pre = X . dx_in (over the hidden), plus any direct gradient of H_pre
     dh_pre = tl.zeros([BT, NP], dtype=ACC)
+    if NORM:
+        w_pre = tl.load(hpre_ptr + t64[:, None] * N + s_i[None, :],
+                        mask=t_mask[:, None] & (s_i < N)[None, :], other=0.0).to(ACC)
+        ssq = tl.zeros([BT], dtype=ACC)
+        cg = tl.zeros([BT], dtype=ACC)
+        for h0 in range(0, H, BH):
+            x_in, h, h_mask = _pre_chunk(x_ptr, w_pre, t64, t_mask, s_i, h0, H, N, BH)
+            g = tl.load(gxin_ptr + t64[:, None] * H + h[None, :],
+                        mask=t_mask[:, None] & h_mask[None, :], other=0.0).to(ACC)
+            w = tl.load(nw_ptr + h, mask=h_mask, other=0.0).to(ACC)
+            ssq += tl.sum(x_in * x_in, axis=1)
+            cg += tl.sum(x_in * g * w[None, :], axis=1)
+        rho = 1.0 / tl.sqrt(ssq / H + norm_eps)
+        corr = rho * rho * rho * cg / H
     for h0 in range(0, H, BH):
         h = h0 + tl.arange(0, BH)
         h_mask = h < H
@@ -278,6 +320,17 @@ def mhc_read_bwd_coef_kernel(
                     other=0.0).to(ACC)
         g = tl.load(gxin_ptr + t64[:, None] * H + h[None, :],
                     mask=t_mask[:, None] & h_mask[None, :], other=0.0).to(ACC)
+        if NORM:
+            x_in = tl.sum(w_pre[:, :, None] * x, axis=1)
+            tl.store(dnw_ptr + pid * H + h, tl.sum(g * x_in * rho[:, None], axis=0),
+                     mask=h_mask)
+            w = tl.load(nw_ptr + h, mask=h_mask, other=0.0).to(ACC)
+            g = rho[:, None] * g * w[None, :] - corr[:, None] * x_in
+            # the dX kernel reads the stored gradient: both use the rounded one
+            g = g.to(gin_ptr.dtype.element_ty)
+            tl.store(gin_ptr + t64[:, None] * H + h[None, :], g,
+                     mask=t_mask[:, None] & h_mask[None, :])
+            g = g.to(ACC)
         dh_pre += tl.sum(x * g[:, None, :], axis=2)
     if HAS_GPRE:
         dh_pre += tl.load(gpre_ptr + t64[:, None] * N + s_i[None, :],
@@ -549,11 +602,12 @@ def sinkhorn_bwd(logits: torch.Tensor, grad: torch.Tensor, iters: int) -> torch.
 
 
 def mhc_read_fwd(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
-                 variant: str, iters: int, eps: float):
+                 variant: str, iters: int, eps: float,
+                 norm_weight: Optional[torch.Tensor] = None, norm_eps: float = 0.0):
     """``x [..., n, h]`` contiguous (``T`` tokens in its leading dims) -> ``x_in [..., h]``
-    (x.dtype), ``h_pre [..., n]``, ``h_post [..., n]``, ``h_res [..., n, n]`` or None, and
-    for the backward the dynamic logits ``dyn [..., m]`` and ``rstd [...]`` (all fp32; fp64
-    for fp64 x)."""
+    (x.dtype; ``RMSNorm(x_in) * norm_weight`` with a ``norm_weight [h]``), ``h_pre [..., n]``,
+    ``h_post [..., n]``, ``h_res [..., n, n]`` or None, and for the backward the dynamic
+    logits ``dyn [..., m]`` and ``rstd [...]`` (all fp32; fp64 for fp64 x)."""
     *lead, n, H = x.shape
     T = _rows(x)
     m = phi.shape[1]
@@ -568,18 +622,22 @@ def mhc_read_fwd(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: 
     dyn = torch.empty((*lead, m), dtype=acc, device=dev)
     rstd = torch.empty(lead, dtype=acc, device=dev)
     BT = _block_t(x)
+    norm = norm_weight is not None
     mhc_read_fwd_kernel[(cdiv(T, BT),)](
-        x, phi, alpha, bias, x_in, h_pre, h_post, h_res, dyn, rstd, T, H, eps, iters,
+        x, phi, alpha, bias, norm_weight if norm else bias, x_in, h_pre, h_post, h_res, dyn,
+        rstd, T, H, eps, norm_eps, iters,
         N=n, M=m, NP=NP, P2=P2, VARIANT=VARIANT_IDS[variant], ACC=_tl(x.dtype),
-        DOT_PREC=_dot_precision(x), BT=BT, BK=64, BH=64, num_warps=4)
+        DOT_PREC=_dot_precision(x), NORM=norm, BT=BT, BK=64, BH=64, num_warps=4)
     return x_in, h_pre, h_post, (h_res if has_res else None), dyn, rstd
 
 
 def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res,
-                 variant: str, iters: int, grads_as_views: bool = False):
-    """Gradients ``(dx, dphi, dalpha, dbias)`` of :func:`mhc_read_fwd` (two launches, plus
-    one sum over the per-tile partials of the parameter gradients). ``grads_as_views``:
-    ``dalpha`` and ``dbias`` may be views of one buffer (not from a custom op)."""
+                 variant: str, iters: int, norm_weight=None, norm_eps: float = 0.0,
+                 grads_as_views: bool = False):
+    """Gradients ``(dx, dphi, dalpha, dbias, dnorm_weight or None)`` of :func:`mhc_read_fwd`
+    (two launches, plus one sum over the per-tile partials of each parameter gradient).
+    ``grads_as_views``: ``dalpha`` and ``dbias`` may be views of one buffer (not from a
+    custom op)."""
     T, (n, H) = _rows(x), x.shape[-2:]
     m = phi.shape[1]
     acc = acc_dtype(x.dtype)
@@ -592,10 +650,16 @@ def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_
     # every tile writes its whole row (identity: but for column 2, which is dropped)
     part = torch.empty((tiles, 3 + m), dtype=acc, device=dev)
     dummy = dyn
+    norm = norm_weight is not None
+    if norm:  # the coefficient kernel turns the normed input's gradient into x_in's
+        g_norm, g_xin = g_xin, torch.empty_like(g_xin)
+        dnorm = torch.empty((tiles, H), dtype=acc, device=dev)
     mhc_read_bwd_coef_kernel[(tiles,)](
-        x, g_xin, dummy if g_pre is None else g_pre, dummy if g_post is None else g_post,
-        dummy if g_res is None else g_res, dyn, rstd, alpha, bias, dds, coef, part,
-        T, H, iters, N=n, M=m, NP=NP, P2=P2, VARIANT=VARIANT_IDS[variant], ACC=_tl(x.dtype),
+        x, g_norm if norm else g_xin, dummy if g_pre is None else g_pre,
+        dummy if g_post is None else g_post, dummy if g_res is None else g_res, dyn, rstd,
+        alpha, bias, h_pre, norm_weight if norm else bias, g_xin, dnorm if norm else dummy,
+        dds, coef, part, T, H, norm_eps, iters,
+        N=n, M=m, NP=NP, P2=P2, VARIANT=VARIANT_IDS[variant], ACC=_tl(x.dtype), NORM=norm,
         HAS_GPRE=g_pre is not None, HAS_GPOST=g_post is not None,
         HAS_GRES=g_res is not None, BT=BT, BH=64, num_warps=4)
     BH = 64
@@ -619,7 +683,8 @@ def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_
         dalpha, _, dbias = sums.split([gates, 3 - gates, m])
     else:  # copies: a custom op's outputs may not be views of one another
         dalpha, dbias = sums[:gates].to(alpha.dtype, copy=True), sums[3:].to(bias.dtype, copy=True)
-    return dx, dphi.to(phi.dtype), dalpha, dbias
+    dnorm = dnorm.sum(0).to(norm_weight.dtype) if norm else None
+    return dx, dphi.to(phi.dtype), dalpha, dbias, dnorm
 
 
 def mhc_post_res_fwd(x: torch.Tensor, y: torch.Tensor, h_post: torch.Tensor,

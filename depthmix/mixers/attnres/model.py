@@ -47,7 +47,7 @@ from depthmix.planning.depth_plan import DepthState
 from depthmix.megatron_ext.layer import ResidualOp
 from depthmix.megatron_ext.layer import mark_mixing_parameter
 from depthmix.megatron_ext.model import StateHead, StateStem
-from depthmix.megatron_ext.norm import RMSNorm
+from depthmix.megatron_ext.norm import RMSNorm, is_plain_rmsnorm
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
 
 
@@ -68,14 +68,19 @@ class PseudoQueryRead(MegatronModule):
         self.geometry = AttnResGeometry.from_config(config)
         # the op implementation is fixed here, from the start-up resolved mixer.impl
         self.attnres = select("attnres", config.mixer.impl)
+        self.fuses_norm = config.mixer.impl == "triton"
+        """The kernel applies the sublayer's input RMSNorm to ``h_i`` (its output norm)."""
 
     def aggregate(self, state: DepthState, i: int, return_weights: bool = False,
-                  ctx: Optional[ForwardContext] = None):
-        """``h_i`` ``[s, b, h]`` over sublayer ``i``'s sources (and the weights
-        ``[S, s, b]`` with ``return_weights``)."""
+                  ctx: Optional[ForwardContext] = None, norm: Optional[RMSNorm] = None):
+        """``h_i`` ``[s, b, h]`` over sublayer ``i``'s sources, or ``norm(h_i)`` (and the
+        weights ``[S, s, b]`` with ``return_weights``)."""
         names = self.geometry.sources(i)
         if ctx is not None and ctx.inference is not None:
             count_reads(ctx, len(names), sum(1 for n in names if not n.startswith("p")))
+        if norm is not None:
+            return self.attnres([state[n] for n in names], self.query, self.key_norm.weight,
+                                self.key_norm.eps, norm.weight, norm.eps)
         return self.attnres([state[n] for n in names], self.query, self.key_norm.weight,
                             self.key_norm.eps, return_weights=return_weights)
 
@@ -149,16 +154,27 @@ class AttnResResidual(ResidualOp):
         self.two_phase: Optional[TwoPhaseReads] = None
         """Set by :func:`bind_two_phase`; used for forwards through a KV cache."""
 
+    def _two_phase(self, ctx: ForwardContext, i: int) -> bool:
+        return (ctx.inference is not None and ctx.stats is None and self.two_phase is not None
+                and self.two_phase.covers(i))
+
     def read(self, state: DepthState, ctx: ForwardContext) -> Tuple[Tensor, Any]:
         i = AttnResGeometry.sublayer(ctx.layer, self.sublayer)
-        if (ctx.inference is not None and ctx.stats is None and self.two_phase is not None
-                and self.two_phase.covers(i)):
+        if self._two_phase(ctx, i):
             return self.two_phase.aggregate(state, i, ctx), None
         if ctx.stats is None:
             return self.read_op.aggregate(state, i, ctx=ctx), None
         x, weights = self.read_op.aggregate(state, i, return_weights=True)
         ctx.record(f"attnres_{self.sublayer}", weights.mean(dim=(1, 2)))
         return x, None
+
+    def read_normed(self, state: DepthState, ctx: ForwardContext, norm) -> Tuple[Tensor, Any]:
+        """With the Triton kernel, the input RMSNorm is the kernel's output norm."""
+        i = AttnResGeometry.sublayer(ctx.layer, self.sublayer)
+        if (self.read_op.fuses_norm and is_plain_rmsnorm(norm) and ctx.stats is None
+                and not self._two_phase(ctx, i)):
+            return self.read_op.aggregate(state, i, ctx=ctx, norm=norm), None
+        return super().read_normed(state, ctx, norm)
 
     def write(self, state: DepthState, output: Tensor, token: Any, ctx: ForwardContext) -> None:
         i = AttnResGeometry.sublayer(ctx.layer, self.sublayer)

@@ -36,6 +36,7 @@ from depthmix.kernels.mhc import mhc_coefficients
 from depthmix.megatron_ext.layer import ResidualOp
 from depthmix.megatron_ext.layer import mark_mixing_parameter
 from depthmix.megatron_ext.model import seeded_init
+from depthmix.megatron_ext.norm import is_plain_rmsnorm
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
 
 
@@ -83,17 +84,29 @@ class HyperConnection(ResidualOp):
         for param in (self.phi, self.alpha, self.bias):
             mark_mixing_parameter(param, config)
         # The ops, chosen once from mixer.impl: the reference (PyTorch) or the fused Triton
-        # kernels (two launches per sublayer: read, post/res), same signatures.
+        # kernels (two launches per sublayer: read, post/res), same signatures. The Triton
+        # read also applies the sublayer's input RMSNorm (read_normed).
         self._read_op, self._post_res_op = select("mhc", mc.impl)
+        self._fuses_norm = mc.impl == "triton"
 
     def coefficients(self, x):
         return mhc_coefficients(x, self.phi, self.alpha, self.bias, self.variant,
                                 self.sinkhorn_iters, self.eps)
 
     def read(self, state, ctx):
+        return self._read(state, ctx)
+
+    def read_normed(self, state, ctx, norm):
+        if self._fuses_norm and is_plain_rmsnorm(norm):
+            return self._read(state, ctx, norm.weight, norm.eps)
+        return super().read_normed(state, ctx, norm)
+
+    def _read(self, state, ctx, *norm):
+        """``H_pre X`` (through the RMSNorm of ``norm = (weight, eps)``) and the token."""
         x = state[STREAMS]  # [s, b, n, h]
         x_in, h_pre, h_post, h_res = self._read_op(x, self.phi, self.alpha, self.bias,
-                                                   self.variant, self.sinkhorn_iters, self.eps)
+                                                   self.variant, self.sinkhorn_iters, self.eps,
+                                                   *norm)
         if ctx.stats is not None:
             with torch.no_grad():
                 ctx.record(f"{self.sublayer}/H_pre", h_pre.mean(dim=(0, 1)))
