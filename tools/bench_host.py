@@ -31,7 +31,7 @@ and stepped in turn; compiled ones get a Dynamo cache each (:func:`own_dynamo_ca
     python tools/bench_host.py --mixers vanilla,mhc --compile eager --json host.json
     python tools/bench_host.py --ops-only                       # custom op vs autograd.Function
 
-A mixer without kernels (DDL, DenseFormer) gets no ``impl=triton`` row: it runs the same
+A mixer without kernels (DenseFormer) gets no ``impl=triton`` row: it runs the same
 code. ``--ops-only`` (also printed after the table unless ``--no-ops``) times one forward +
 backward of each kernel op through the two entry points of
 :class:`depthmix.kernels._common.KernelOp`: the ``torch.library`` custom op (what compiled
@@ -399,6 +399,7 @@ def compile_gain(rows) -> str:
 def op_cases():
     """(name, fn(kernel entry) -> loss) per kernel op at one token: the host cost only."""
     from depthmix.kernels.attnres.function import attnres_triton
+    from depthmix.kernels.ddl.function import ddl_read_triton, ddl_write_triton
     from depthmix.kernels.depth_mix.function import depth_mix_triton
     from depthmix.kernels.mhc.function import mhc_post_res_triton, mhc_read_triton, sinkhorn_triton
 
@@ -412,12 +413,15 @@ def op_cases():
     x, phi, alpha, bias = p(1, 1, 4, 64), p(256, 24), p(3), p(24)
     y, h_post, h_res = p(1, 1, 64), p(1, 1, 4), p(1, 1, 4, 4)
     logits = p(1, 4, 4)
+    state, read, dv_params = p(1, 1, 64, 4), p(4), [p(64), p(1), p(4, 64), p(4)]
     return [
         ("depth_mix", lambda: depth_mix_triton(q, k, v, srcs, srcs)[1].sum()),
         ("attnres", lambda: attnres_triton(ys, w, g).sum()),
         ("mhc read", lambda: mhc_read_triton(x, phi, alpha, bias)[0].sum()),
         ("mhc post_res", lambda: mhc_post_res_triton(x, y, h_post, h_res).sum()),
         ("sinkhorn", lambda: sinkhorn_triton(logits, 20).sum()),
+        ("ddl read", lambda: ddl_read_triton(state, read).sum()),
+        ("ddl write", lambda: ddl_write_triton(state, y, y, *dv_params, 4.0, 1e-5)[0].sum()),
     ]
 
 

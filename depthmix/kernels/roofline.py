@@ -88,7 +88,7 @@ def all_work(ops: Sequence[str] = ()) -> List[Work]:
 # Every op call a mixer adds to one micro-batch, forward and backward, at the step's shapes
 # (``T`` = micro-batch x sequence tokens, the run's heads, head dim and hidden size, bf16
 # activations), counted as the kernel ops' own ``_work`` counts them where the op is one of
-# ours (``depth_mix``, ``moda_attention``, ``attnres``, ``mhc``), and here otherwise. The
+# ours (``depth_mix``, ``moda_attention``, ``attnres``, ``mhc``, ``ddl``), and here otherwise. The
 # step's extra floor is the sum of every call's floor (each call is its own launch: their
 # floors add, they do not overlap), times the micro-batches of a step on one rank. What is
 # *not* subtracted: the vanilla residual adds some mixers replace (``3 h`` a token and
@@ -136,9 +136,9 @@ def mixer_step_work(run, tokens: int) -> List[Work]:
       update, and the stem's copy into ``n`` streams and the head's mean;
     * ``denseformer``: per DWA the weighted sum of its ``|S(i)|`` sources (read them, write
       the average; backward ``dY`` and the sources in, their gradients out);
-    * ``ddl``: per sublayer ``X r`` (read ``X``, write ``x_in``) and the rank-1 update (read
-      and write ``X``, read ``F(x_in)``): ``3 h d_v + 2 h`` elements and ``8 h d_v + 2 h``
-      FLOPs forward (the hook's count); the stem's replication and the head's read-out.
+    * ``ddl``: per sublayer the read ``X r`` and the delta update, as the ``ddl`` kernel
+      op counts them (the update also reads ``F(x_in)``, ``x_in`` and keeps ``6 + 3 d_v``
+      fp32 statistics a token); the stem's replication and the head's read-out.
     """
     from depthmix import kernels
     from depthmix.planning.shape import Shape
@@ -199,11 +199,10 @@ def mixer_step_work(run, tokens: int) -> List[Work]:
                 bwd = Work("", "", "bwd", BF16 * t * h * (1 + 2 * s), fp32_flops=4 * t * h * s)
                 out += _named("dwa", f"block {i}", (fwd, bwd))
     elif name == "ddl":
-        dv = run.mixer.value_channels
+        bench, dv = kernels.bench("ddl"), run.mixer.value_channels
         for i in range(1, 2 * x.unrolled_layers + 1):
-            out += _named("ddl read/update", f"sublayer {i}",
-                          _elementwise(t * (2 * h * dv + h), t * (h * dv + h),
-                                       t * (8 * h * dv + 2 * h)))
+            out += _named("ddl read", f"sublayer {i}", bench._read_work(t, h, dv))
+            out += _named("ddl update", f"sublayer {i}", bench._write_work(t, h, dv))
         out += _named("ddl stem/head", "stem", _elementwise(t * h, t * h * dv, 0))
         out += _named("ddl stem/head", "head", _elementwise(t * h * dv, t * h, 2 * t * h * dv))
     elif name != "vanilla":

@@ -19,17 +19,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from depthmix import kernels
 from depthmix.config.schema import ModelConfig
 from depthmix.kernels.attnres import attnres_reference
+from depthmix.kernels.ddl import ddl_read_reference, ddl_write_reference
 from depthmix.kernels.depth_mix.reference import depth_mix_reference
 from depthmix.kernels.dispatch import triton_status
 from depthmix.kernels.mhc import mhc_post_res_reference, mhc_read_reference, sinkhorn_reference
 from depthmix.kernels.moda_attention import moda_attention_reference
 from depthmix.megatron_ext.attention import causal_sdpa
+from depthmix.mixers.ddl import DDLConfig
 from depthmix.mixers.mhc import MHCConfig
 
 OPS = kernels.ops()
 FULL_T = {4096, 16384, 65536}
 EPS = ModelConfig().norm_epsilon
 MHC = MHCConfig()
+DDL = DDLConfig()
 
 
 def _mhc_read(x, phi, alpha, bias):
@@ -56,6 +59,8 @@ STACK_CALLS = {
     ("mhc", "read"): {"torch": _mhc_read},
     ("mhc", "post_res"): {
         "torch": lambda x, y, hp, hr: mhc_post_res_reference(x, y, hp, hr).to(x.dtype)},
+    ("ddl", "read"): {"torch": ddl_read_reference},
+    ("ddl", "write"): {"torch": lambda *args: ddl_write_reference(*args, DDL.v_scale, EPS)[0]},
 }
 
 

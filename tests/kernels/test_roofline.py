@@ -49,6 +49,7 @@ def test_bounds_and_devices():
 
 def test_one_forward_and_backward_per_full_benchmark_shape():
     from depthmix.kernels.attnres import bench as attnres_bench
+    from depthmix.kernels.ddl import bench as ddl_bench
     from depthmix.kernels.depth_mix import bench as depth_mix_bench
     from depthmix.kernels.mhc import bench as mhc_bench
     from depthmix.kernels.moda_attention import bench as moda_bench
@@ -58,6 +59,7 @@ def test_one_forward_and_backward_per_full_benchmark_shape():
         "moda_attention": len(moda_bench.shapes(False)) + len(moda_bench.paper_shapes()),
         "attnres": len(attnres_bench.shapes(False)),
         "mhc": 3 * len(mhc_bench.shapes(False)),  # sinkhorn, read, post_res
+        "ddl": 2 * len(ddl_bench.shapes(False)),  # read, write
     }
     work = roofline.all_work()
     assert set(expected) == set(kernels.ops())

@@ -17,7 +17,8 @@ from resop_reference import (
 )
 
 from depthmix.config.schema import ConfigError
-from depthmix.mixers.ddl.model import K_EPS, ddl_write
+from depthmix.kernels.ddl.reference import K_EPS
+from depthmix.kernels.ddl.reference import ddl_write_reference as ddl_write
 from depthmix.testing import build_model, tiny_run
 
 

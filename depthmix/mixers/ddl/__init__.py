@@ -1,7 +1,7 @@
 """``mixer=ddl`` without its model code: options, plan and cost.
 
 The method (Deep Delta Learning residual updates) and its Megatron modules are described
-in :mod:`depthmix.mixers.ddl.model`.
+in :mod:`depthmix.mixers.ddl.model`; its read and update ops in :mod:`depthmix.kernels.ddl`.
 """
 
 from __future__ import annotations
@@ -101,11 +101,11 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
 
 MIXER = Mixer(
     name="ddl", config_cls=DDLConfig, plan=ddl_plan,
-    model_spec=model_hook(__name__, "get_ddl_model_spec"),
+    model_spec=model_hook(__name__, "get_ddl_model_spec"), kernels=("ddl",),
     extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
     extra_params=extra_params, saved_activations=saved_activations,
     variants=(
-        Variant(checks=("accounting", "generate", "parity")),
+        Variant(checks=("accounting", "generate", "parity", "kernels")),
         Variant("vc3", {"value_channels": 3}, checks=("decode", "recompute", "transport")),
         Variant("vc2-swa3", {"value_channels": 2, "short_swa_window": 3}, checks=("decode",)),
         Variant("vc2-looped", {"value_channels": 2}, model=LOOPED, checks=("accounting",)),

@@ -16,6 +16,8 @@ The Delta operator ``I - beta k k^T`` has eigenvalues ``{1, ..., 1, 1 - beta}``:
 into the ``d_v`` columns (``DeltaStem``); the final norm reads ``X r_out`` with its own read
 vector (``DeltaReadout``). Choices follow the authors' reference code (``model/DDL.py``,
 expanded state); see ``docs/methods/ddl.md`` for what we follow and what we leave out.
+The read and the update are :mod:`depthmix.kernels.ddl`'s ops (``mixer.impl``: the PyTorch
+reference or the fused Triton kernels).
 """
 
 from __future__ import annotations
@@ -26,47 +28,13 @@ import math
 import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from torch import Tensor
 
+from depthmix.kernels.dispatch import select
 from depthmix.mixers.ddl import STATE
 from depthmix.megatron_ext.layer import ResidualOp
 from depthmix.megatron_ext.layer import mark_mixing_parameter
 from depthmix.megatron_ext.model import seeded_init
 from depthmix.megatron_ext.specs import get_decoder_layer_submodules, get_model_submodules
-
-K_EPS = 1e-5
-"""``k = y / sqrt(||y||^2 + K_EPS^2)`` (the reference code's ``ddl_k_eps``)."""
-
-
-def _acc(t: Tensor) -> Tensor:
-    return t if t.dtype == torch.float64 else t.float()
-
-
-def ddl_read(x: Tensor, read: Tensor) -> Tensor:
-    """``X r``: ``x [..., h, d_v]``, ``read [d_v]`` -> ``[..., h]`` in ``x``'s dtype."""
-    return x @ read.to(x.dtype)
-
-
-def ddl_write(x: Tensor, y: Tensor, x_in: Tensor, beta_weight: Tensor, beta_bias: Tensor,
-              v_weight: Tensor, v_bias: Tensor, v_scale: float, eps: float):
-    """The delta-rule update ``X + beta k (v^T - k^T X)``; returns ``(X', beta)``.
-
-    ``x [..., h, d_v]``, sublayer output ``y [..., h]``, the sublayer's read ``x_in [..., h]``;
-    ``beta_weight [h]``, ``beta_bias [1]``, ``v_weight [d_v, h]``, ``v_bias [d_v]``.
-    ``k``, ``beta``, ``v``, ``k^T X`` and the row update are fp32; the state stays in its
-    dtype (as the reference code does).
-    """
-    y32, xin32 = _acc(y), _acc(x_in)
-    k = y32 * torch.rsqrt(y32.pow(2).sum(dim=-1, keepdim=True) + K_EPS**2)  # unit direction
-    xn = xin32 * torch.rsqrt(xin32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    logit = (xn @ beta_weight.to(xn.dtype)).unsqueeze(-1) + beta_bias.to(xn.dtype)
-    beta = 2.0 * torch.sigmoid(logit)  # [..., 1]
-    v = v_scale * torch.sigmoid(xin32 @ v_weight.to(xin32.dtype).t() + v_bias.to(xin32.dtype))
-    kx = k.to(x.dtype).unsqueeze(-1)  # [..., h, 1], one view for both uses
-    proj = (kx * x).sum(dim=-2, dtype=k.dtype)  # k^T X  [..., d_v]
-    delta = beta * (v - proj)  # [..., d_v]
-    return x + kx * delta.to(x.dtype).unsqueeze(-2), beta
-
 
 _SUBLAYER_SEED = {"attn": 505, "mlp": 606}
 
@@ -92,14 +60,16 @@ class DeltaResidual(ResidualOp):
         self.v_bias = torch.nn.Parameter(torch.zeros(dv, dtype=dtype))
         for param in self.parameters():
             mark_mixing_parameter(param, config)
+        self._read_op, self._write_op = select("ddl", mc.impl)
 
     def read(self, state, ctx):
-        x_in = ddl_read(state[STATE], self.read_vector)  # [s, b, h]
+        x_in = self._read_op(state[STATE], self.read_vector)  # [s, b, h]
         return x_in, x_in
 
     def write(self, state, output, token, ctx) -> None:
-        new, beta = ddl_write(state[STATE], output, token, self.beta_weight, self.beta_bias,
-                              self.v_weight, self.v_bias, self.v_scale, self.eps)
+        new, beta = self._write_op(state[STATE], output, token, self.beta_weight,
+                                   self.beta_bias, self.v_weight, self.v_bias, self.v_scale,
+                                   self.eps, ctx.stats is not None)
         if ctx.stats is not None:
             ctx.record(f"{self.sublayer}/beta", beta.detach().mean())
         state[STATE] = new
@@ -126,9 +96,10 @@ class DeltaReadout(MegatronModule):
         self.read_vector = torch.nn.Parameter(torch.full((dv,), 1.0 / dv,
                                                          dtype=config.params_dtype))
         mark_mixing_parameter(self.read_vector, config)
+        self._read_op = select("ddl", config.mixer.impl).read
 
     def forward(self, state, ctx):
-        return ddl_read(state[STATE], self.read_vector)
+        return self._read_op(state[STATE], self.read_vector)
 
 
 def get_ddl_model_spec(config):
