@@ -25,7 +25,9 @@ instead (uncounted), so the step stays finite. Forward and backward run without 
 shim's ``TorchFunctionMode`` (the optimizer keeps it: Megatron allocates on ``"cuda"`` by
 name there). Every step applies its update and clips (``train.clip_grad=1e-6``: whether a
 step clips depends on values the no-op launches zero). All models are built in one process
-and stepped in turn; compiled ones get a Dynamo cache each (:func:`own_dynamo_cache`).
+and stepped in turn; compiled layers keep their bodies in Dynamo caches of their own model
+(:func:`depthmix.pretrain.compile.body_groups`), so models side by side do not pay for each
+other's guards.
 
     python tools/bench_host.py                                  # every mixer, all four modes
     python tools/bench_host.py --mixers vanilla,mhc --compile eager --json host.json
@@ -269,27 +271,7 @@ def build(mixer: str, impl: str, compiled: bool, args):
     run = build_run(mixer, impl, compiled, args)
     trainer = Trainer(run, data=SyntheticData(run), callbacks=[])
     trainer.health.check = lambda loss, grad_norm: None  # every update applies
-    if compiled:
-        own_dynamo_cache(trainer, f"{mixer}_{impl}")
     return trainer
-
-
-def own_dynamo_cache(trainer, tag: str) -> None:
-    """Compiled layers call a copy of ``Module._call_impl``'s code of their own model:
-    Dynamo caches compiled bodies per code object, and a layer call checks the guards of
-    the bodies cached before its own, so models compiled side by side in one process would
-    each pay for the others' bodies (a training process holds one model)."""
-    import types
-
-    from depthmix.megatron_ext.layer import DepthMixLayer
-
-    base = torch.nn.Module._call_impl
-    name = f"_call_impl_{tag}"
-    call_impl = types.FunctionType(base.__code__.replace(co_name=name), base.__globals__, name)
-    for chunk in trainer.model:
-        for module in chunk.modules():
-            if isinstance(module, DepthMixLayer) and module._compiled_call_impl is not None:
-                module._compiled_call_impl = torch.compile(types.MethodType(call_impl, module))
 
 
 def measure(rows, args) -> list:
@@ -298,14 +280,6 @@ def measure(rows, args) -> list:
     turn (warm-up, timed steps, counted steps), so that drift in the machine's load hits
     them alike."""
     trainers = [build(*row, args) for row in rows]
-    if any(compiled for _, _, compiled in rows):
-        # every model's layers share DepthMixLayer.forward's Dynamo cache: room for all of
-        # their bodies (compile_layers sizes the limits, and resets the cache, per model)
-        import torch._dynamo
-
-        config = torch._dynamo.config
-        limit = 4 * sum(t.run.model.num_layers for t in trainers) + 1
-        config.recompile_limit = config.accumulated_recompile_limit = limit
     phases = Phases()
     times = [{clock: {p: [] for p in (*PHASES, "step")} for clock in CLOCKS} for _ in rows]
     counts, warmup_s = [], [0.0] * len(rows)

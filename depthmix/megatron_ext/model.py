@@ -265,7 +265,10 @@ class DepthMixModel(LanguageModule):
             if position_ids is None:
                 position_ids = torch.arange(offset, offset + seq_len, device=input_ids.device)
                 position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
-            state = self.stem(self.embedding(input_ids=input_ids, position_ids=position_ids))
+            embeddings = self.embedding(input_ids=input_ids, position_ids=position_ids)
+            # at micro-batch 1 Megatron's [s, b, h] is a transposed view with batch stride
+            # s * h; a compiled first layer would guard on it and compile a body of its own
+            state = self.stem(embeddings.view(embeddings.shape))
         else:
             state = self.transport.receive(self.input_tensor, microbatch)
 

@@ -36,12 +36,18 @@ check_cuda_graphs`); what a GPU run must check is in docs/operations.md ("Fast p
 
 from __future__ import annotations
 
-from typing import List
+import types
+from typing import List, Tuple
 
 import torch
 
 from depthmix.config.schema import RunConfig
 from depthmix.runtime.device import switch_on
+
+VARIANTS = 3
+"""Compiled variants of one body: with gradients (training, recompute's backward), without
+on inputs that require them (recompute's forward), and without on inputs that do not
+(evaluation)."""
 
 _graphed = {"on": False}
 """Whether the layers compiled last (:func:`compile_layers`) record CUDA graphs. Dynamo's
@@ -77,35 +83,83 @@ def cuda_graph_skips() -> int:
     return counters["inductor"]["cudagraph_skips"]
 
 
+def body_groups(chunks: List[torch.nn.Module]) -> List[Tuple[list, int]]:
+    """The DepthMixLayers of ``chunks``, grouped by the compiled body they share, each group
+    with how many bodies it compiles (in each :data:`VARIANTS`).
+
+    Dynamo keeps a code object's compiled bodies in one cache, and a call checks the guards
+    of each cached body until one passes. What a layer's body specialises on besides its
+    module structure is the depth state at its boundary (:class:`~depthmix.planning.
+    depth_plan.DepthPlan`): where the plan is the same at every unrolled layer (vanilla,
+    mHC, DDL), all layers of a class share one body and one group; where it differs
+    anywhere (Full/Block AttnRes, DenseFormer, Depth-Attention, MoDA), the mixer reads the
+    unrolled index (``ForwardContext.layer``, a constant of the body), so every layer
+    compiles its own body, one per loop, and forms its own group."""
+    from depthmix.megatron_ext.layer import DepthMixLayer
+    from depthmix.megatron_ext.model import DepthMixBlock
+
+    groups = {}
+    for block in (m for chunk in chunks for m in chunk.modules()):
+        if not isinstance(block, DepthMixBlock):
+            continue
+        plan = block.plan
+        uniform = len({_boundary(plan, u) for u in range(plan.num_layers)}) == 1
+        for layer in block.layers:
+            if isinstance(layer, DepthMixLayer):
+                key = type(layer) if uniform else layer
+                groups.setdefault(key, ([], 1 if uniform else block.config.n_loops))[0].append(layer)
+    return list(groups.values())
+
+
+def _boundary(plan, u: int) -> tuple:
+    """What the depth state looks like to unrolled layer ``u``: the entries live on entering
+    it, and those it reads and writes."""
+    reads = frozenset(e.name for e in plan.entries.values() if u in e.readers)
+    writes = frozenset(e.name for e in plan.entries.values() if u in e.writers)
+    return plan.live_names(u), reads, writes
+
+
+def _own_forward(layer_class: type, tag: str):
+    """``layer_class.forward`` with a code object of its own (Dynamo's cache lives on the
+    code object; ``co_name`` differs so that the copy is not equal to the original)."""
+    forward = layer_class.forward
+    code = forward.__code__.replace(co_name=f"forward_{tag}")
+    own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__,
+                             forward.__closure__)
+    own.__kwdefaults__, own.__qualname__ = forward.__kwdefaults__, f"{forward.__qualname__}_{tag}"
+    return own
+
+
 def compile_layers(chunks: List[torch.nn.Module], cuda_graphs: bool = False) -> int:
     """Compile every DepthMixLayer of ``chunks`` in place (:func:`compile_options`; CUDA
     graphs with ``cuda_graphs``); returns how many.
 
-    Dynamo's limits are raised to what this model needs: each compiled layer may add one
-    body to the shared cache of DepthMixLayer.forward, in two variants (with gradients for
-    training, without for evaluation and recompute's forward); anything beyond is a
-    recompilation bug, which must fail rather than run eager. Dynamo's caches are reset
-    first, so bodies compiled for an earlier model in this process (a multirun's previous
-    job, a test) do not count against this one. (Megatron's default-TP-group warning, which
-    would break the graph, is silenced by :class:`depthmix.runtime.patches.QuietTpGroup`.)"""
+    Each group of :func:`body_groups` runs a copy of ``forward`` of its own, whose Dynamo
+    cache holds its body only, in up to :data:`VARIANTS` variants (training, recompute,
+    evaluation): a layer call checks the guards of its own body, not of every body of the
+    model. Dynamo's per-code limit is set to that: anything
+    beyond is a recompilation bug, which must fail rather than run eager. Dynamo's caches
+    are reset first, so bodies compiled for an earlier model in this process (a multirun's
+    previous job, a test) do not count against this one. (Megatron's default-TP-group
+    warning, which would break the graph, is silenced by
+    :class:`depthmix.runtime.patches.QuietTpGroup`.)"""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from depthmix.megatron_ext.layer import DepthMixLayer
-
-    layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, DepthMixLayer)]
+    groups = body_groups(chunks)
     torch._dynamo.reset()
     counters["inductor"].pop("cudagraph_skips", None)
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 2 * len(layers) + 1)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit,
-                                             4 * len(layers))
+    config.recompile_limit = VARIANTS * max((bodies for _, bodies in groups), default=1)
     config.fail_on_recompile_limit_hit = True
     # the layer index (ForwardContext.layer) decides a layer's sources: a constant of its
     # body, never a symbolic int (which would break the graph at every f"...{layer}" name)
     config.specialize_int = True
     options = compile_options(cuda_graphs)
-    for layer in layers:
-        layer.compile(**options)
+    for i, (layers, _) in enumerate(groups):
+        forward = _own_forward(type(layers[0]), f"body{i}")
+        for layer in layers:
+            layer.forward = types.MethodType(forward, layer)
+            layer.compile(**options)
     _graphed["on"] = cuda_graphs
-    return len(layers)
+    return sum(len(layers) for layers, _ in groups)

@@ -89,7 +89,18 @@ class DepthWeightedAverage(StateHook):
 
 def depth_weighted_average(xs: List[Tensor], alpha: Tensor) -> Tensor:
     """``sum_j alpha_j xs[j]``, accumulated in fp32 (fp64 for fp64), ``xs[j] [s, b, h]``."""
+    if not torch.is_grad_enabled():  # nothing to save; and Dynamo (2.13) cannot trace a
+        return _weighted_sum(alpha, xs)  # no-grad apply whose forward takes *args
     return _WeightedSum.apply(alpha, *xs)
+
+
+def _weighted_sum(alpha: Tensor, xs) -> Tensor:
+    acc = _acc_dtype(xs[0].dtype)
+    weights = alpha.to(acc).unbind()  # one op for the S scalars, not S selects
+    out = weights[0] * xs[0].to(acc)
+    for j in range(1, len(xs)):
+        out = out + weights[j] * xs[j].to(acc)
+    return out.to(xs[0].dtype)
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -100,13 +111,8 @@ class _WeightedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, alpha: Tensor, *xs: Tensor) -> Tensor:
-        acc = _acc_dtype(xs[0].dtype)
-        weights = alpha.to(acc).unbind()  # one op for the S scalars, not S selects
-        out = weights[0] * xs[0].to(acc)
-        for j in range(1, len(xs)):
-            out = out + weights[j] * xs[j].to(acc)
         ctx.save_for_backward(alpha, *xs)
-        return out.to(xs[0].dtype)
+        return _weighted_sum(alpha, xs)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
