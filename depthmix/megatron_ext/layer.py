@@ -5,7 +5,9 @@ pre-norm Qwen3 layer ``h = h + attn(norm(h)); h = h + mlp(norm(h))``; a depth mi
 replaces some slots:
 
 * ``attn_residual`` / ``mlp_residual`` (:class:`ResidualOp`): how a sublayer's input is
-  read from the depth state and how its output is written back (AttnRes, mHC, DDL);
+  read from the depth state and how its output is written back (AttnRes, mHC, DDL); the
+  layer asks for the input through its norm (``read_normed``), which a mixer's kernel may
+  apply in the same pass;
 * ``self_attention.depth_mixer``: depth reads inside attention (Depth-Attention, MoDA);
 * ``mlp_depth_kv``: a depth entry made from the MLP input (MoDA's FFN KV projection);
 * ``short_swa``: a sequence-axis sublayer folded into the attention sublayer (ShortSWA):

@@ -163,7 +163,8 @@ def roofline_work() -> list:
 
 
 def gpu_launches() -> list:
-    """Full and Block AttnRes reads (no output norm: the stack passes none)."""
+    """Full and Block AttnRes reads, without and with the output norm (the sublayer's input
+    RMSNorm, ``read_normed`` under ``impl=triton``)."""
     from depthmix.kernels.attnres import triton as K
     from depthmix.kernels.gpu_report import expand, meta, recorded_launches
 
@@ -171,9 +172,9 @@ def gpu_launches() -> list:
     for kind, t, hidden, s, dtype in shapes(smoke=False):
         sources = [meta(t, 1, hidden, dtype=dtype) for _ in range(s)]
         query, key_weight = meta(hidden, dtype=dtype), meta(hidden, dtype=dtype)
-        with recorded_launches(K) as calls:
-            o, z, rstd, lse = K.attnres_fwd(sources, query, key_weight, EPS, None,
-                                            EPS)
-            K.attnres_bwd(sources, query, key_weight, None, EPS, o, z, rstd, lse)
-        out += expand("attnres", f"h{hidden}", K, calls)
+        for norm in (None, meta(hidden, dtype=dtype)):
+            with recorded_launches(K) as calls:
+                o, z, rstd, lse = K.attnres_fwd(sources, query, key_weight, EPS, norm, EPS)
+                K.attnres_bwd(sources, query, key_weight, norm, EPS, o, z, rstd, lse)
+            out += expand("attnres", f"h{hidden}" + ("" if norm is None else " norm"), K, calls)
     return out

@@ -33,7 +33,8 @@ The pseudo-query and gain gradients are reductions over tokens,
 norm, ``dh = sum_t do_out * o_hat``. They are deterministic: the backward grid is a fixed
 number of persistent programs (a multiple of the SM count), each walking the token tiles
 ``p, p + G, p + 2G, ...`` and accumulating in registers; each writes one fp32 partial row
-``[G, d]`` that the host sums in a fixed order (no atomics).
+``[G, d]`` (``[G, 2, d]`` with the output norm, its gain's beside) that the host sums in a
+fixed order (no atomics).
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ def attnres_bwd_kernel(
     z,
     rstd,
     lse,
-    dqg,  # [G, D] per-program partial of sum_{t,s} dz r y
-    dh,  # [G, D] per-program partial of the output-norm gain gradient (NORM)
+    dqg,  # [G, D] per-program partial of sum_{t,s} dz r y; NORM: [G, 2, D], then the
+    # partial of the output-norm gain gradient
     T,
     S,
     out_eps,
@@ -192,9 +193,10 @@ def attnres_bwd_kernel(
             tl.store(p_dy + o_td, b_dy.to(p_dy.dtype.element_ty), mask=m_td)
             b_dqg += b_dzr[:, None] * b_y
 
-    tl.store(dqg + i_p * D + o_d, tl.sum(b_dqg, axis=0), mask=m_d)
+    row = dqg + i_p * (2 * D if NORM else D)
+    tl.store(row + o_d, tl.sum(b_dqg, axis=0), mask=m_d)
     if NORM:
-        tl.store(dh + i_p * D + o_d, tl.sum(b_dh, axis=0), mask=m_d)
+        tl.store(row + D + o_d, tl.sum(b_dh, axis=0), mask=m_d)
 
 
 # ---------------------------------------------------------------------------------------
@@ -306,17 +308,20 @@ def attnres_bwd(
     tiles = cdiv(t, bt)
     programs = _num_programs(tiles, first.device)
     norm = out_weight is not None
-    dqg = torch.empty(programs, d, dtype=acc, device=first.device)
-    dh = torch.empty_like(dqg) if norm else dqg
+    dqg = torch.empty((programs, 2, d) if norm else (programs, d), dtype=acc,
+                      device=first.device)
     source_table, grad_table = _pointer_table(sources, dsources, device=first.device)
     attnres_bwd_kernel[(programs,)](
         source_table, grad_table,
-        query, key_weight, out_weight if norm else query, dout, z, rstd, lse, dqg, dh,
+        query, key_weight, out_weight if norm else query, dout, z, rstd, lse, dqg,
         t, len(sources), out_eps, tiles,
         D=d, BT=bt, BD=bd, NORM=norm, ACC=tl_dtype(acc), num_warps=warps,
     )
     dqg = dqg.sum(0)  # fixed-order reduction of the per-program partials
+    dout_weight = None
+    if norm:
+        dqg, dh = dqg.unbind(0)
+        dout_weight = dh.to(out_weight.dtype)
     dquery = (dqg * key_weight.to(acc)).to(query.dtype)
     dkey = (dqg * query.to(acc)).to(key_weight.dtype)
-    dout_weight = dh.sum(0).to(out_weight.dtype) if norm else None
     return dsources, dquery, dkey, dout_weight

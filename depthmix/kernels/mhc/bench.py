@@ -236,4 +236,12 @@ def gpu_launches() -> list:
             K.mhc_post_res_fwd(x, y, h_post, h_res)
             K.mhc_post_res_bwd(x, y, h_post, h_res, x)
         out += expand("mhc", f"{VARIANT} n{n} h{h}", K, calls)
+        # the read with the sublayer's input RMSNorm (read_normed under impl=triton)
+        norm = meta(h, dtype=dtype)
+        with recorded_launches(K) as calls:
+            x_in, h_pre, h_post, h_res, dyn, rstd = K.mhc_read_fwd(
+                x, phi, alpha, bias, VARIANT, ITERS, EPS, norm, EPS)
+            K.mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, x_in, h_pre, h_post, h_res,
+                           VARIANT, ITERS, norm, EPS)
+        out += expand("mhc", f"{VARIANT} n{n} h{h} norm", K, calls)
     return out

@@ -269,9 +269,9 @@ def mhc_read_fwd_kernel(
 @triton.jit
 def mhc_read_bwd_coef_kernel(
     x_ptr, gxin_ptr, gpre_ptr, gpost_ptr, gres_ptr, dyn_ptr, rstd_ptr, alpha_ptr, bias_ptr,
-    hpre_ptr, nw_ptr, gin_ptr, dnw_ptr,
+    hpre_ptr, nw_ptr, gin_ptr,
     dds_ptr, coef_ptr, part_ptr,
-    T, H, norm_eps, iters,
+    T, H, part_width, norm_eps, iters,
     N: tl.constexpr, M: tl.constexpr, NP: tl.constexpr, P2: tl.constexpr,
     VARIANT: tl.constexpr, ACC: tl.constexpr, NORM: tl.constexpr,
     HAS_GPRE: tl.constexpr, HAS_GPOST: tl.constexpr, HAS_GRES: tl.constexpr,
@@ -279,13 +279,13 @@ def mhc_read_bwd_coef_kernel(
 ):
     """Per token: ``dd`` (gradient of the dynamic logits ``d = RMSNorm(X) phi``); stores
     ``rstd * dd`` and the RMSNorm correction ``rstd^2 (dd . d) / (n h)``, and this tile's
-    partial sums of the gate (3) and bias (m) gradients.
+    partial sums of the gate (3) and bias (m) gradients (a row of ``part``).
 
     NORM (the output went through ``RMSNorm(x_in) * w``; ``gxin`` is its gradient): two
     passes over the hidden recompute ``x_in``; the first gives ``rho = rsqrt(mean(x_in^2) +
     eps)`` and ``c = mean(x_in * g * w)``, the second the gradient of ``x_in``,
     ``rho g w - rho^3 c x_in`` (stored for the dX kernel), and this tile's partial sum of
-    the weight's gradient ``sum_t g x_in rho``."""
+    the weight's gradient ``sum_t g x_in rho`` (``h`` more columns of ``part``)."""
     pid = tl.program_id(0)
     t = pid * BT + tl.arange(0, BT)
     t_mask = t < T
@@ -322,8 +322,8 @@ def mhc_read_bwd_coef_kernel(
                     mask=t_mask[:, None] & h_mask[None, :], other=0.0).to(ACC)
         if NORM:
             x_in = tl.sum(w_pre[:, :, None] * x, axis=1)
-            tl.store(dnw_ptr + pid * H + h, tl.sum(g * x_in * rho[:, None], axis=0),
-                     mask=h_mask)
+            tl.store(part_ptr + pid * part_width + 3 + M + h,
+                     tl.sum(g * x_in * rho[:, None], axis=0), mask=h_mask)
             w = tl.load(nw_ptr + h, mask=h_mask, other=0.0).to(ACC)
             g = rho[:, None] * g * w[None, :] - corr[:, None] * x_in
             # the dX kernel reads the stored gradient: both use the rounded one
@@ -360,7 +360,7 @@ def mhc_read_bwd_coef_kernel(
         da_pp = dh_pp * th
         dd_pp = a_pp[None, :] * dh_pp * (1.0 - th * th)
     dd_pp = tl.where(pp_mask[None, :], dd_pp, 0.0)
-    row = pid * (3 + M)
+    row = pid * part_width
     tl.store(part_ptr + row + 3 + c, tl.sum(dz, axis=0), mask=pp_mask)
     tl.store(part_ptr + row, tl.sum(tl.sum(tl.where(is_pre[None, :], da_pp, 0.0), axis=1), axis=0))
     tl.store(part_ptr + row + 1,
@@ -647,18 +647,19 @@ def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_
     tiles = cdiv(T, BT)
     dds = torch.empty((T, m), dtype=acc, device=dev)
     coef = torch.empty((T,), dtype=acc, device=dev)
-    # every tile writes its whole row (identity: but for column 2, which is dropped)
-    part = torch.empty((tiles, 3 + m), dtype=acc, device=dev)
-    dummy = dyn
     norm = norm_weight is not None
+    # every tile writes its whole row: alpha (3; identity: column 2 unused, dropped) | bias
+    # (m) | with the norm, its weight (H)
+    width = 3 + m + (H if norm else 0)
+    part = torch.empty((tiles, width), dtype=acc, device=dev)
+    dummy = dyn
     if norm:  # the coefficient kernel turns the normed input's gradient into x_in's
         g_norm, g_xin = g_xin, torch.empty_like(g_xin)
-        dnorm = torch.empty((tiles, H), dtype=acc, device=dev)
     mhc_read_bwd_coef_kernel[(tiles,)](
         x, g_norm if norm else g_xin, dummy if g_pre is None else g_pre,
         dummy if g_post is None else g_post, dummy if g_res is None else g_res, dyn, rstd,
-        alpha, bias, h_pre, norm_weight if norm else bias, g_xin, dnorm if norm else dummy,
-        dds, coef, part, T, H, norm_eps, iters,
+        alpha, bias, h_pre, norm_weight if norm else bias, g_xin,
+        dds, coef, part, T, H, width, norm_eps, iters,
         N=n, M=m, NP=NP, P2=P2, VARIANT=VARIANT_IDS[variant], ACC=_tl(x.dtype), NORM=norm,
         HAS_GPRE=g_pre is not None, HAS_GPOST=g_post is not None,
         HAS_GRES=g_res is not None, BT=BT, BH=64, num_warps=4)
@@ -677,13 +678,19 @@ def mhc_read_bwd(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_
         N=n, M=m, NP=NP, P2=P2, VARIANT=VARIANT_IDS[variant], ACC=_tl(x.dtype),
         DOT_PREC=_dot_precision(x), BT=BT, BH=BH, num_warps=4)
     dphi = dphi.sum(0) if chunks > 1 else dphi[0]
-    sums = part.sum(0)  # [alpha (2 or 3) | unused | bias]
+    sums = part.sum(0)  # [alpha (2 or 3) | unused | bias | norm weight]
     gates = alpha.numel()
-    if grads_as_views and sums.dtype == alpha.dtype == bias.dtype:
-        dalpha, _, dbias = sums.split([gates, 3 - gates, m])
+    dnorm = None
+    if grads_as_views and sums.dtype == alpha.dtype == bias.dtype and (
+            not norm or norm_weight.dtype == sums.dtype):
+        views = sums.split([gates, 3 - gates, m] + ([H] if norm else []))
+        dalpha, dbias = views[0], views[2]
+        dnorm = views[3] if norm else None
     else:  # copies: a custom op's outputs may not be views of one another
-        dalpha, dbias = sums[:gates].to(alpha.dtype, copy=True), sums[3:].to(bias.dtype, copy=True)
-    dnorm = dnorm.sum(0).to(norm_weight.dtype) if norm else None
+        dalpha = sums[:gates].to(alpha.dtype, copy=True)
+        dbias = sums[3:3 + m].to(bias.dtype, copy=True)
+        if norm:
+            dnorm = sums[3 + m:].to(norm_weight.dtype, copy=True)
     return dx, dphi.to(phi.dtype), dalpha, dbias, dnorm
 
 
