@@ -70,22 +70,25 @@ def last_dim_contiguous(*tensors: Optional[Tensor]) -> List[Optional[Tensor]]:
 
 
 # ---- custom ops ---------------------------------------------------------------------------
-# Each op's launchers run behind ``torch.library.custom_op`` (``<op>/function.py``): an
-# opaque node with a fake implementation (output shapes, dtypes and strides, for tracing)
-# and a registered autograd formula whose backward is itself a custom op. ``torch.compile``
-# then keeps a Triton op inside a compiled layer's graph instead of breaking it there, and
-# Inductor fuses the PyTorch work around it. ``custom_op`` rather than ``triton_op``: the
-# launchers pick tiles on the host and attnres passes its sources as a table of
-# ``data_ptr()`` values, which Inductor cannot trace (and need not: the kernel is already
-# fused). A custom op's schema has no optional outputs, so an output the options do not
-# produce is an empty 1-D tensor on the way out (:func:`present`) and None again once
-# outside (:func:`absent`); no real output or gradient of these ops is 1-D and empty.
+# Each op's launchers run behind a ``torch.library`` op (``<op>/function.py``): an opaque
+# node with a fake implementation (output shapes, dtypes and strides, for tracing) and an
+# autograd formula whose backward is itself such an op. ``torch.compile`` then keeps a Triton
+# op inside a compiled layer's graph instead of breaking it there, and Inductor fuses the
+# PyTorch work around it. Not ``triton_op``: the launchers pick tiles on the host and
+# attnres passes its sources as a table of ``data_ptr()`` values, which Inductor cannot
+# trace (and need not: the kernel is already fused). An op's schema has no optional
+# outputs, so an output the options do not produce is an empty 1-D tensor on the way out
+# (:func:`present`) and None again once outside (:func:`absent`); no real output or
+# gradient of these ops is 1-D and empty.
 #
-# Eager calls do not need the custom op, and pay for it: the dispatcher, the autograd
-# wrapper torch.library generates and its flattening of tensor lists make a forward +
-# backward cost a third to a half more host time than the same launchers under a plain
-# ``torch.autograd.Function`` (``tools/bench_host.py --ops-only``). :class:`KernelOp`
-# registers both from one definition and picks per call.
+# The ops are defined on the dispatcher directly (``Library.define`` / ``impl``), not
+# through ``torch.library.custom_op``, whose generated autograd kernel flattens every call's
+# arguments with pytree, re-adds default arguments and wraps the body in an aliasing check:
+# a forward + backward through it cost about twice the same launchers under a plain
+# ``torch.autograd.Function`` (``tools/bench_host.py --ops-only``). Here the autograd kernel
+# is that Function with a redispatch in its forward, and the bodies are the kernels.
+#
+# Eager calls need no op at all: :class:`KernelOp` picks the plain Function there.
 
 
 def empty_like_contiguous(t: Tensor) -> Tensor:
@@ -120,18 +123,46 @@ def custom_ops_in_eager():
         _custom_ops_in_eager = before
 
 
+_LIBRARIES: dict = {}
+
+
+class LibraryOp:
+    """A functional operator ``<namespace>::<name>`` whose schema is ``body``'s annotations
+    (``torch.library.infer_schema``) and whose kernel, on every device, is ``body`` itself.
+
+    ``default`` is its ``OpOverload``; :meth:`register_fake` adds the fake implementation.
+    No autograd kernel: the dispatcher's fallback (a backward op, or one called inside an
+    ``autograd.Function``); :class:`KernelOp` adds one to its forward op."""
+
+    def __init__(self, qualname: str, body: Callable):
+        namespace, self.name = qualname.split("::")
+        if namespace not in _LIBRARIES:
+            _LIBRARIES[namespace] = torch.library.Library(namespace, "FRAGMENT")
+        self.lib = _LIBRARIES[namespace]
+        self.qualname = qualname
+        schema = torch.library.infer_schema(body, mutates_args=())
+        self.lib.define(self.name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        self.lib.impl(self.name, body, "CompositeExplicitAutograd")
+        self.default = getattr(getattr(torch.ops, namespace), self.name).default
+
+    def register_fake(self, fake: Callable) -> Callable:
+        """Decorator: ``fake`` (same arguments as the body) gives the outputs' metadata."""
+        torch.library.register_fake(self.qualname, fake, lib=self.lib)
+        return fake
+
+
 class KernelOp:
     """A kernel's forward and backward launchers as one differentiable op with two entry
     points that run the same Python bodies:
 
-    * the ``torch.library`` custom ops ``<name>_fwd`` / ``<name>_bwd`` (register their fake
-      implementations on :attr:`forward_op` / :attr:`backward_op`) with ``gradient`` as the
-      forward's registered autograd formula: what ``torch.compile`` traces, one opaque node
-      in a compiled graph, no graph break;
+    * the ``torch.library`` ops ``<name>_fwd`` / ``<name>_bwd`` (:class:`LibraryOp`: register
+      their fake implementations on :attr:`forward_op` / :attr:`backward_op`) with an
+      autograd kernel on the forward whose backward runs ``gradient`` with the backward op:
+      what ``torch.compile`` traces, one opaque node in a compiled graph, no graph break;
     * a plain ``torch.autograd.Function`` whose forward calls ``forward`` and whose backward
       calls ``backward`` directly: eager calls.
 
-    Calling the ``KernelOp`` picks the custom op while Dynamo traces
+    Calling the ``KernelOp`` picks the op while Dynamo traces
     (``torch.compiler.is_compiling()``, a constant in the traced code) or inside
     :func:`custom_ops_in_eager`, else the Function; both give the same outputs and
     gradients (the same launchers run).
@@ -139,17 +170,17 @@ class KernelOp:
     Args:
         name: ``"<namespace>::<op>"``.
         forward: the forward op's body; its annotations are the schema (tensor-list inputs
-            are fine: the Function flattens them, as autograd only sees top-level tensors).
+            are fine: the Functions flatten them, as autograd only sees top-level tensors).
         backward: the backward op's body.
         setup_context: ``(ctx, inputs, output)``, as for ``register_autograd``.
         gradient: ``(ctx, backward, *output_grads)`` -> one gradient (or None) per input of
             ``forward``, a list (or None) for a tensor-list input; computes them by calling
-            ``backward`` (the backward custom op when traced, its body eagerly).
+            ``backward`` (the backward op when traced, its body eagerly).
         eager_forward, eager_backward: the bodies the Function calls instead (same
-            arguments), where eager calls can do with less than a custom op's contract:
-            None for an output the options do not produce (no empty placeholder), outputs
-            that are views of one buffer (one allocation). ``setup_context`` and
-            ``gradient`` take both kinds.
+            arguments), where eager calls can do with less than an op's contract: None for
+            an output the options do not produce (no empty placeholder), outputs that are
+            views of one buffer (one allocation). ``setup_context`` and ``gradient`` take
+            both kinds.
 
     Usage (``kernels/<op>/function.py``)::
 
@@ -166,28 +197,61 @@ class KernelOp:
                  setup_context: Callable, gradient: Callable,
                  eager_forward: Optional[Callable] = None,
                  eager_backward: Optional[Callable] = None):
-        namespace, op = name.split("::")
-        self.forward_op = torch.library.custom_op(f"{name}_fwd", forward, mutates_args=())
-        self.backward_op = torch.library.custom_op(f"{name}_bwd", backward, mutates_args=())
-        ops = getattr(torch.ops, namespace)
-        self._traced = getattr(ops, f"{op}_fwd").default
-        traced_backward = getattr(ops, f"{op}_bwd").default
-        self.forward_op.register_autograd(
-            lambda ctx, *grads: gradient(ctx, traced_backward, *grads),
-            setup_context=setup_context)
-        schema = self._traced._schema.arguments
-        self._lists = tuple(i for i, a in enumerate(schema) if str(a.type) == "List[Tensor]")
-        self._function = _eager_function(
+        op = name.split("::")[1]
+        self.forward_op = LibraryOp(f"{name}_fwd", forward)
+        self.backward_op = LibraryOp(f"{name}_bwd", backward)
+        self._traced = traced = self.forward_op.default
+        arguments = traced._schema.arguments
+        self._lists = tuple(i for i, a in enumerate(arguments) if str(a.type) == "List[Tensor]")
+        self._function = _function(
             f"{op}_function", eager_forward or forward, eager_backward or backward,
             setup_context, gradient, self._lists)
+        self._op_function = _function(
+            f"{op}_op_autograd", _redispatch(traced), self.backward_op.default, setup_context,
+            gradient, self._lists, keyed=True)
+        self.forward_op.lib.impl(self.forward_op.name, self._autograd_kernel(arguments),
+                                 "Autograd", with_keyset=True)
 
     def __call__(self, *args):
         if torch.compiler.is_compiling() or _custom_ops_in_eager:
             return self._traced(*args)
-        if not self._lists:
-            return self._function.apply(*args)
-        lengths = tuple(len(args[i]) for i in self._lists)
-        return self._function.apply(lengths, *_flatten(args, self._lists))
+        return _apply(self._function, None, args, self._lists)
+
+    def _autograd_kernel(self, arguments) -> Callable:
+        """The forward op's kernel at the Autograd key: the op Function where a gradient is
+        needed, else straight to the kernels below autograd. The dispatcher drops trailing
+        arguments equal to their defaults; ``setup_context`` gets them back."""
+        function, lists, traced = self._op_function, self._lists, self._traced
+        n = len(arguments)
+        defaults = tuple(a.default_value for a in arguments)
+
+        def kernel(keyset, *args):
+            if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+                if len(args) < n:
+                    args = args + defaults[len(args):]
+                return _apply(function, keyset, args, lists)
+            with torch._C._AutoDispatchBelowAutograd():
+                return traced.redispatch(keyset & torch._C._after_autograd_keyset, *args)
+
+        return kernel
+
+
+def _redispatch(op) -> Callable:
+    """``forward(keyset, *inputs)`` of the op Function: ``op``'s kernels below autograd
+    (the launchers, or the fake implementation while tracing)."""
+
+    def forward(keyset, *inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *inputs)
+
+    return forward
+
+
+def _apply(function, keyset, args: Sequence, lists: Tuple[int, ...]):
+    if not lists:
+        return function.apply(keyset, *args)
+    lengths = tuple(len(args[i]) for i in lists)
+    return function.apply(keyset, lengths, *_flatten(args, lists))
 
 
 def _flatten(args: Sequence, lists: Tuple[int, ...]) -> list:
@@ -213,33 +277,40 @@ def _unflatten(flat: Sequence, lists: Tuple[int, ...], lengths: Tuple[int, ...])
     return args
 
 
-def _eager_function(name: str, forward, backward, setup_context, gradient, lists):
-    """The ``autograd.Function`` of a :class:`KernelOp`; with tensor-list inputs it takes
-    ``(lengths, *flattened inputs)``. ``forward(ctx, ...)`` calls ``setup_context`` itself:
-    a Function that defines ``setup_context`` binds its arguments through
-    ``inspect.signature`` on every call."""
+def _function(name: str, forward, backward, setup_context, gradient, lists, keyed=False):
+    """An ``autograd.Function`` of a :class:`KernelOp`, applied as ``(keyset, *inputs)`` or,
+    with tensor-list inputs, ``(keyset, lengths, *flattened inputs)``: ``forward(keyset,
+    *inputs)`` where ``keyed`` (the op's autograd kernel, :func:`_redispatch`), else a body
+    that takes the inputs alone (eager calls; the keyset is None). ``forward(ctx, ...)``
+    calls ``setup_context`` itself: a Function that defines ``setup_context`` binds its
+    arguments through ``inspect.signature`` on every call."""
+    if not keyed:
+        run = forward
+
+        def forward(keyset, *inputs):
+            return run(*inputs)
 
     if not lists:
-        def plain_forward(ctx, *inputs):
-            output = forward(*inputs)
+        def plain_forward(ctx, keyset, *inputs):
+            output = forward(keyset, *inputs)
             setup_context(ctx, inputs, output)
             return output
 
         def plain_backward(ctx, *grads):
-            return gradient(ctx, backward, *grads)
+            return (None, *gradient(ctx, backward, *grads))
 
         body = dict(forward=staticmethod(plain_forward), backward=staticmethod(plain_backward))
         return type(name, (torch.autograd.Function,), body)
 
-    def flat_forward(ctx, lengths, *flat):
+    def flat_forward(ctx, keyset, lengths, *flat):
         inputs = _unflatten(flat, lists, lengths)
-        output = forward(*inputs)
+        output = forward(keyset, *inputs)
         ctx.lengths = lengths
         setup_context(ctx, inputs, output)
         return output
 
     def flat_backward(ctx, *grads):
-        out = [None]  # the lengths
+        out = [None, None]  # the keyset, the lengths
         for i, g in enumerate(gradient(ctx, backward, *grads)):
             if i in lists:
                 out.extend([None] * ctx.lengths[lists.index(i)] if g is None else g)

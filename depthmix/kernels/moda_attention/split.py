@@ -36,11 +36,14 @@ per reason: decoding (``sq < sk``; flash attention's causal mask is not bottom-r
 there) and CUDA inputs SDPA sends to neither cuDNN nor flash attention (fp32, head dims it
 does not take).
 
-Host cost: eagerly, the launchers run inside a plain ``torch.autograd.Function`` (a
-``torch.library`` custom op costs about three times its host time per call); under
-``torch.compile`` the same function calls the depth kernels as the custom ops
-``depthmix::moda_depth_fwd`` / ``depthmix::moda_depth_bwd`` (fake implementations below)
-and the aten attention ops trace as they are, so a compiled layer has no graph break.
+Host cost: eagerly, the launchers run inside a plain ``torch.autograd.Function``; under
+``torch.compile`` the same function calls the depth kernels as the ``torch.library`` ops
+``depthmix::moda_depth_fwd`` / ``depthmix::moda_depth_bwd`` (fake implementations below; no
+autograd kernel of their own, the Function is their autograd) and the aten attention ops
+trace as they are, so a compiled layer has no graph break. Around the launches: one set of
+``[b, h, s, d]`` views serves the backend choice, the attention op and its backward (the
+keys' and values' gradients flow back through them), and eagerly the joint log-sum-exp is
+written over the attention op's own (no allocation).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from depthmix.kernels._common import empty_like_contiguous, last_dim_contiguous
+from depthmix.kernels._common import LibraryOp, empty_like_contiguous, last_dim_contiguous
 from depthmix.kernels.moda_attention.function import moda_attention_fused
 from depthmix.kernels.moda_attention.reference import _check_shapes
 from depthmix.kernels.moda_attention.triton import (
@@ -132,27 +135,30 @@ def _sequence_backward(backend: str, doh: Tensor, qh: Tensor, kh: Tensor, vh: Te
 # ---------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("depthmix::moda_depth_fwd", mutates_args=())
-def _depth_fwd_op(query: Tensor, depth_key: Tensor, depth_value: Tensor, seq_out: Tensor,
-                  seq_lse: Tensor, count: int, scale: float, tiles: List[int]
-                  ) -> Tuple[Tensor, Tensor]:
+def _depth_fwd_body(query: Tensor, depth_key: Tensor, depth_value: Tensor, seq_out: Tensor,
+                    seq_lse: Tensor, count: int, scale: float, tiles: List[int]
+                    ) -> Tuple[Tensor, Tensor]:
     """``(o [sq, b, np, hn], lse like seq_lse)``; ``tiles`` are a :class:`DepthTiles`' fields."""
     return moda_depth_fwd(query, depth_key, depth_value, seq_out, seq_lse, count, scale,
                           DepthTiles(*tiles))
 
 
-@_depth_fwd_op.register_fake
-def _(query, depth_key, depth_value, seq_out, seq_lse, count, scale, tiles):
-    return empty_like_contiguous(query), torch.empty_like(seq_lse)
-
-
-@torch.library.custom_op("depthmix::moda_depth_bwd", mutates_args=())
-def _depth_bwd_op(grad_out: Tensor, query: Tensor, depth_key: Tensor, depth_value: Tensor,
-                  out: Tensor, lse: Tensor, dq_seq: Tensor, count: int, scale: float,
-                  tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
+def _depth_bwd_body(grad_out: Tensor, query: Tensor, depth_key: Tensor, depth_value: Tensor,
+                    out: Tensor, lse: Tensor, dq_seq: Tensor, count: int, scale: float,
+                    tiles: List[int]) -> Tuple[Tensor, Tensor, Tensor]:
     """``(dq, ddepth_key, ddepth_value)``."""
     return moda_depth_bwd(grad_out, query, depth_key, depth_value, out, lse, dq_seq, count,
                           scale, DepthTiles(*tiles))
+
+
+# called inside MoDASplitFunction only (no autograd kernel of their own)
+_depth_fwd_op = LibraryOp("depthmix::moda_depth_fwd", _depth_fwd_body)
+_depth_bwd_op = LibraryOp("depthmix::moda_depth_bwd", _depth_bwd_body)
+
+
+@_depth_fwd_op.register_fake
+def _(query, depth_key, depth_value, seq_out, seq_lse, count, scale, tiles):
+    return empty_like_contiguous(query), torch.empty_like(seq_lse)
 
 
 @_depth_bwd_op.register_fake
@@ -163,46 +169,48 @@ def _(grad_out, query, depth_key, depth_value, out, lse, dq_seq, count, scale, t
 
 def _depth_forward(*args):
     if torch.compiler.is_compiling():
-        return torch.ops.depthmix.moda_depth_fwd(*args[:-1], list(args[-1]))
-    return moda_depth_fwd(*args[:-1], DepthTiles(*args[-1]))
+        return _depth_fwd_op.default(*args[:-1], list(args[-1]))
+    # eagerly the joint log-sum-exp overwrites the sequence part's (read first, row by row)
+    return moda_depth_fwd(*args[:-1], DepthTiles(*args[-1]), lse_out=args[4])
 
 
 def _depth_backward(*args):
     if torch.compiler.is_compiling():
-        return torch.ops.depthmix.moda_depth_bwd(*args[:-1], list(args[-1]))
+        return _depth_bwd_op.default(*args[:-1], list(args[-1]))
     return moda_depth_bwd(*args[:-1], DepthTiles(*args[-1]))
 
 
 class MoDASplitFunction(torch.autograd.Function):
     """Joint sequence + depth attention: the attention op's forward, then the depth kernel
     (which merges); backward, the attention op's backward and the depth kernel's, both
-    with the joint output and log-sum-exp. ``tiles`` are a :class:`DepthTiles`' fields."""
+    with the joint output and log-sum-exp. ``qh``, ``kh``, ``vh``: the query, key and
+    value as the ``[b, h, s, d]`` views the attention op takes (made once, by the caller,
+    which also picks ``backend`` from them); the query's gradient goes to ``query`` (the
+    depth kernel adds the sequence part's to its own), the keys' and values' to ``kh`` and
+    ``vh``. ``tiles`` are a :class:`DepthTiles`' fields."""
 
     @staticmethod
-    def forward(ctx, query, key, value, depth_key, depth_value, count: int, scale: float,
+    def forward(ctx, query, qh, kh, vh, depth_key, depth_value, count: int, scale: float,
                 backend: str, tiles: tuple):
-        qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         o_seq, lse_seq, saved, sizes = _sequence_forward(backend, qh, kh, vh, scale)
         out, lse = _depth_forward(query, depth_key, depth_value, o_seq, lse_seq, count, scale,
                                   tiles)  # joint: [sq, b, np, hn], lse like lse_seq
-        ctx.save_for_backward(query, key, value, depth_key, depth_value, out, lse, *saved)
+        ctx.save_for_backward(query, qh, kh, vh, depth_key, depth_value, out, lse, *saved)
         ctx.args = (count, scale, backend, tiles, sizes)
         sq, b, np_, hn = query.shape
         return out.view(sq, b, np_ * hn)
 
     @staticmethod
     def backward(ctx, grad):
-        query, key, value, depth_key, depth_value, out, lse, *saved = ctx.saved_tensors
+        query, qh, kh, vh, depth_key, depth_value, out, lse, *saved = ctx.saved_tensors
         count, scale, backend, tiles, sizes = ctx.args
         do = grad.view(out.shape) if grad.is_contiguous() else grad.reshape(out.shape)
-        qh, kh, vh, oh, doh = (t.permute(1, 2, 0, 3)
-                               for t in (query, key, value, out, do))
+        oh, doh = out.permute(1, 2, 0, 3), do.permute(1, 2, 0, 3)
         dq_seq, dk, dv = _sequence_backward(backend, doh, qh, kh, vh, oh, lse, tuple(saved),
                                             sizes, scale)
         dq, dkd, dvd = _depth_backward(do, query, depth_key, depth_value, out, lse, dq_seq,
                                        count, scale, tiles)
-        return (dq, dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3), dkd, dvd,
-                None, None, None, None)
+        return dq, None, dk, dv, dkd, dvd, None, None, None, None
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,8 +265,9 @@ def moda_attention_triton(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
     q, k, v = last_dim_contiguous(query, key, value)
     backend = None
-    if sq == sk:
-        backend = sequence_backend(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), scale)
+    if sq == sk:  # [b, h, s, d] views: the attention op's inputs
+        qh, kh, vh = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+        backend = sequence_backend(qh, kh, vh, scale)
     if backend is None:
         if not torch.compiler.is_compiling():
             _note_fallback("decoding (sq < sk)" if sq != sk else
@@ -270,14 +279,13 @@ def moda_attention_triton(
         _note_backend(backend, q.device.type)
     if count == 0:  # plain causal attention
         out = torch.nn.functional.scaled_dot_product_attention(
-            *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, scale=scale,
-            enable_gqa=True)
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
     if tiles is None:
         tiles = default_depth_tiles(hn, np_ // ng, d)
     kd, vd = (t if t.is_contiguous() else t.contiguous() for t in (depth_key, depth_value))
     fields = (tiles.block_m, tiles.depth_sub, tiles.block_d, tiles.num_warps, tiles.num_stages)
-    return MoDASplitFunction.apply(q, k, v, kd, vd, count, scale, backend, fields)
+    return MoDASplitFunction.apply(q, qh, kh, vh, kd, vd, count, scale, backend, fields)
 
 
 __all__ = ["MoDASplitFunction", "moda_attention_triton", "sequence_backend"]

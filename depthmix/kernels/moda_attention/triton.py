@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from depthmix.kernels._common import interpreting, last_dim_contiguous
+from depthmix.kernels._common import cdiv, interpreting, last_dim_contiguous, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -626,8 +626,8 @@ def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True)
     sequence step loads keys (at least 16 columns per sub-tile, the tensor-core minimum).
     The interpreter (CPU tests) uses 16-row tiles.
     """
-    gp = triton.next_power_of_2(group)
-    hd = max(16, triton.next_power_of_2(head_dim))
+    gp = next_power_of_2(group)
+    hd = max(16, next_power_of_2(head_dim))
     if interpreting():
         block_m, block_n, dkdv_m, dkdv_n, warps, stages = 16, 16, 16, 16, 4, 1
     elif hd <= 64:
@@ -639,7 +639,7 @@ def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True)
     block_m, dkdv_m = max(block_m, gp), max(dkdv_m, gp)
     sub = max(16, gp) if sub_tiles else block_m
     tokens_per_sub = sub // gp
-    d_p2 = triton.next_power_of_2(max(depth, 1))
+    d_p2 = next_power_of_2(max(depth, 1))
     block_d = min(d_p2, max(1, block_n // (block_m // gp)))  # ~block_n depth rows per step
     block_d = max(block_d, 16 // tokens_per_sub if tokens_per_sub < 16 else 1)
     return Tiles(block_m, block_n, sub, block_d, dkdv_m, dkdv_n, warps, stages)
@@ -684,8 +684,8 @@ def default_depth_tiles(head_dim: int, group: int, depth: int) -> DepthTiles:
     smaller, never under the 16-column minimum). The interpreter (CPU tests) uses 16-row
     tiles.
     """
-    gp = triton.next_power_of_2(group)
-    hd = max(16, triton.next_power_of_2(head_dim))
+    gp = next_power_of_2(group)
+    hd = max(16, next_power_of_2(head_dim))
     if interpreting():
         block_m, warps, stages = 16, 4, 1
     elif hd <= 128:
@@ -732,13 +732,13 @@ def moda_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sq, b, np_, hn = q.shape
     sk, _, ng, _ = k.shape
     g = np_ // ng
-    gp = triton.next_power_of_2(g)
+    gp = next_power_of_2(g)
     _check_tiles(tiles, gp)
     has_depth = kd is not None and count > 0
     kd_, vd_ = (kd, vd) if has_depth else (q.new_empty(1, 1, 1, 1, 1),) * 2
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(b * ng, sq * gp, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(sq, tiles.block_m // gp), b * ng)
+    grid = (cdiv(sq, tiles.block_m // gp), b * ng)
     _moda_fwd_kernel[grid](
         q, k, v, kd_, vd_, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -748,7 +748,7 @@ def moda_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         vd_.stride(0), vd_.stride(1), vd_.stride(2), vd_.stride(3),
         o.stride(0), o.stride(1), o.stride(2),
         sq, sk, ng, count if has_depth else 0, scale * LOG2E,
-        G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, triton.next_power_of_2(hn)),
+        G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, next_power_of_2(hn)),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, SUB=tiles.depth_sub,
         BLOCK_D=tiles.block_d, HAS_DEPTH=has_depth, PREC=_precision(q.dtype),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -764,15 +764,15 @@ def moda_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     sq, b, np_, hn = q.shape
     sk, _, ng, _ = k.shape
     g = np_ // ng
-    gp = triton.next_power_of_2(g)
-    hd_p = max(16, triton.next_power_of_2(hn))
+    gp = next_power_of_2(g)
+    hd_p = max(16, next_power_of_2(hn))
     has_depth = kd is not None and count > 0
     do = do.view(q.shape) if do.is_contiguous() else do.reshape(q.shape)
     (do,) = last_dim_contiguous(do)
 
     delta = torch.empty_like(lse)
     pre_m = max(16, gp)
-    _moda_bwd_preprocess[(triton.cdiv(sq, pre_m // gp), b * ng)](
+    _moda_bwd_preprocess[(cdiv(sq, pre_m // gp), b * ng)](
         o, do, delta,
         o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
@@ -782,7 +782,7 @@ def moda_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     prec = _precision(q.dtype)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    _moda_bwd_dkdv_kernel[(triton.cdiv(sk, tiles.dkdv_n), b * ng)](
+    _moda_bwd_dkdv_kernel[(cdiv(sk, tiles.dkdv_n), b * ng)](
         q, k, v, do, lse, delta, dk, dv,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -808,7 +808,7 @@ def moda_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         kd_ = vd_ = dkd_ = dvd_ = q.new_empty(1, 1, 1, 1, 1)
     if dkd_.stride() != kd_.stride() or dvd_.stride() != vd_.stride():
         raise AssertionError("depth gradients must share the depth inputs' strides")
-    _moda_bwd_dq_kernel[(triton.cdiv(sq, tiles.block_m // gp), b * ng)](
+    _moda_bwd_dq_kernel[(cdiv(sq, tiles.block_m // gp), b * ng)](
         q, k, v, kd_, vd_, do, lse, delta, dq, dkd_, dvd_,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -830,40 +830,37 @@ def _bhs_strides(t: torch.Tensor) -> Tuple[int, int, int]:
     return t.stride(2), t.stride(0), t.stride(1)
 
 
-def _lse3(lse: torch.Tensor) -> torch.Tensor:
-    """An attention op's log-sum-exp as a ``[b, h, s]`` view (cuDNN's is ``[b, h, s, 1]``)."""
-    return lse[..., 0] if lse.dim() == 4 else lse
-
-
 def moda_depth_fwd(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, o_seq: torch.Tensor,
-                   lse_seq: torch.Tensor, count: int, scale: float, tiles: DepthTiles
+                   lse_seq: torch.Tensor, count: int, scale: float, tiles: DepthTiles,
+                   lse_out: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The split path's depth part and merge. ``q [sq, b, np, hn]``, ``kd/vd [sq, b, ng, D,
     hn]`` with ``count >= 1`` valid entries, and the causal sequence attention's output
     ``o_seq [b, np, sq, hn]`` and natural log-sum-exp ``lse_seq [b, np, sq]`` (or ``[..., 1]``;
     any strides) as an SDPA op returns them. Returns the joint output ``[sq, b, np, hn]``
-    (contiguous) and log-sum-exp (fp32, ``torch.empty_like(lse_seq)``)."""
+    (contiguous) and log-sum-exp (fp32, ``lse_seq``'s strides): written into ``lse_out``
+    where given, which may be ``lse_seq`` itself (each row is read before it is written),
+    else into ``torch.empty_like(lse_seq)``."""
     sq, b, np_, hn = q.shape
     ng = kd.shape[2]
     g = np_ // ng
-    gp = triton.next_power_of_2(g)
+    gp = next_power_of_2(g)
     _check_depth_tiles(tiles, gp)
     o_seq, = last_dim_contiguous(o_seq)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty_like(lse_seq)
-    ls_in, ls_out = _lse3(lse_seq), _lse3(lse)
-    if ls_in.stride() != ls_out.stride():
+    lse = torch.empty_like(lse_seq) if lse_out is None else lse_out
+    if lse.stride() != lse_seq.stride():
         raise AssertionError("the joint log-sum-exp must share the sequence part's strides")
-    grid = (triton.cdiv(sq, tiles.block_m // gp), b * ng)
+    grid = (cdiv(sq, tiles.block_m // gp), b * ng)
     _moda_depth_fwd_kernel[grid](
-        q, kd, vd, o_seq, ls_in, o, ls_out,
+        q, kd, vd, o_seq, lse_seq, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
         kd.stride(0), kd.stride(1), kd.stride(2), kd.stride(3),
         vd.stride(0), vd.stride(1), vd.stride(2), vd.stride(3),
-        *_bhs_strides(o_seq), *_bhs_strides(ls_in),
+        *_bhs_strides(o_seq), *_bhs_strides(lse_seq),
         o.stride(0), o.stride(1), o.stride(2),
         sq, ng, count, scale * LOG2E,
-        G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, triton.next_power_of_2(hn)),
+        G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, next_power_of_2(hn)),
         BLOCK_M=tiles.block_m, SUB=tiles.depth_sub, BLOCK_D=tiles.block_d,
         PREC=_precision(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -882,7 +879,7 @@ def moda_depth_bwd(do: torch.Tensor, q: torch.Tensor, kd: torch.Tensor, vd: torc
     sq, b, np_, hn = q.shape
     ng = kd.shape[2]
     g = np_ // ng
-    gp = triton.next_power_of_2(g)
+    gp = next_power_of_2(g)
     _check_depth_tiles(tiles, gp)
     do, dq_seq = last_dim_contiguous(do, dq_seq)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -893,19 +890,18 @@ def moda_depth_bwd(do: torch.Tensor, q: torch.Tensor, kd: torch.Tensor, vd: torc
     if count < kd.shape[3]:  # never read, zero gradient
         dkd[:, :, :, count:].zero_()
         dvd[:, :, :, count:].zero_()
-    ls = _lse3(lse)
-    grid = (triton.cdiv(sq, tiles.block_m // gp), b * ng)
+    grid = (cdiv(sq, tiles.block_m // gp), b * ng)
     _moda_depth_bwd_kernel[grid](
-        q, kd, vd, o, do, ls, dq_seq, dq, dkd, dvd,
+        q, kd, vd, o, do, lse, dq_seq, dq, dkd, dvd,
         q.stride(0), q.stride(1), q.stride(2),
         kd.stride(0), kd.stride(1), kd.stride(2), kd.stride(3),
         vd.stride(0), vd.stride(1), vd.stride(2), vd.stride(3),
         o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
-        *_bhs_strides(ls), *_bhs_strides(dq_seq),
+        *_bhs_strides(lse), *_bhs_strides(dq_seq),
         dq.stride(0), dq.stride(1), dq.stride(2),
         sq, ng, count, scale * LOG2E, scale,
-        G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, triton.next_power_of_2(hn)),
+        G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, next_power_of_2(hn)),
         BLOCK_M=tiles.block_m, SUB=tiles.depth_sub, BLOCK_D=tiles.block_d,
         PREC=_precision(q.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
