@@ -6,11 +6,13 @@ residual adds and a mixer's elementwise depth work fuse into a few kernels, whil
 pipeline schedule, the depth-state transport and the loss stay eager. Layers with the same
 structure share one compiled body (parameters are graph inputs, not constants); a mixer
 whose depth state differs from layer to layer (Full/Block AttnRes, DenseFormer, MoDA: the
-number of sources grows with depth) compiles one body per distinct layer, never more.
-Recompiling beyond that is an error (``fail_on_recompile_limit_hit``), not a silent fall
-back to eager halfway through a run. With ``mixer.impl=triton`` the fused kernels sit in a
-layer's graph as custom ops (``torch.library``, see :mod:`depthmix.kernels._common`):
-opaque nodes that Inductor fuses around, with no graph break.
+number of sources grows with depth) compiles one body per distinct layer, never more. Each
+body sits in a Dynamo cache of its own (:func:`body_groups`), so a layer call checks the
+guards of its own body, not of all of them. Recompiling beyond that is an error
+(``fail_on_recompile_limit_hit``), not a silent fall back to eager halfway through a run.
+With ``mixer.impl=triton`` the fused kernels sit in a layer's graph as custom ops
+(``torch.library``, see :mod:`depthmix.kernels._common`): opaque nodes that Inductor fuses
+around, with no graph break.
 
 Where (:func:`depthmix.pretrain.parallelize.build_model`): after the chunks are built and
 on their device, before ``Float16Module`` and DDP wrap them. ``Module.compile`` keeps the
@@ -85,7 +87,7 @@ def cuda_graph_skips() -> int:
 
 def body_groups(chunks: List[torch.nn.Module]) -> List[Tuple[list, int]]:
     """The DepthMixLayers of ``chunks``, grouped by the compiled body they share, each group
-    with how many bodies it compiles (in each :data:`VARIANTS`).
+    with how many bodies it compiles (each in up to :data:`VARIANTS` variants).
 
     Dynamo keeps a code object's compiled bodies in one cache, and a call checks the guards
     of each cached body until one passes. What a layer's body specialises on besides its
@@ -104,10 +106,10 @@ def body_groups(chunks: List[torch.nn.Module]) -> List[Tuple[list, int]]:
             continue
         plan = block.plan
         uniform = len({_boundary(plan, u) for u in range(plan.num_layers)}) == 1
+        bodies = 1 if uniform else block.config.n_loops
         for layer in block.layers:
             if isinstance(layer, DepthMixLayer):
-                key = type(layer) if uniform else layer
-                groups.setdefault(key, ([], 1 if uniform else block.config.n_loops))[0].append(layer)
+                groups.setdefault(type(layer) if uniform else layer, ([], bodies))[0].append(layer)
     return list(groups.values())
 
 
@@ -137,11 +139,11 @@ def compile_layers(chunks: List[torch.nn.Module], cuda_graphs: bool = False) -> 
     Each group of :func:`body_groups` runs a copy of ``forward`` of its own, whose Dynamo
     cache holds its body only, in up to :data:`VARIANTS` variants (training, recompute,
     evaluation): a layer call checks the guards of its own body, not of every body of the
-    model. Dynamo's per-code limit is set to that: anything
-    beyond is a recompilation bug, which must fail rather than run eager. Dynamo's caches
-    are reset first, so bodies compiled for an earlier model in this process (a multirun's
-    previous job, a test) do not count against this one. (Megatron's default-TP-group
-    warning, which would break the graph, is silenced by
+    model. Dynamo's per-code limit (``recompile_limit``, process-wide) is set to that:
+    anything beyond is a recompilation bug, which must fail rather than run eager, whatever
+    the depth. Dynamo's caches are reset first, so bodies compiled for an earlier model in
+    this process (a multirun's previous job, a test) do not count against this one.
+    (Megatron's default-TP-group warning, which would break the graph, is silenced by
     :class:`depthmix.runtime.patches.QuietTpGroup`.)"""
     import torch._dynamo
     from torch._dynamo.utils import counters
