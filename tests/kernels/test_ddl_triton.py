@@ -5,7 +5,7 @@ Triton's interpreter on CPU (``tests/conftest.py`` sets TRITON_INTERPRET=1 witho
   vs the reference evaluated in fp64 on the same inputs, to 2e-6 of the tensor's max
   (measured <= 5e-7); ids ``dv<d_v>-h<hidden>-s<seq>-b<batch>``: ``d_v`` 1/3/4 (3 pads its
   lanes), hidden not a power of two and wider than one chunk of the update, tokens never a
-  multiple of the tile.
+  multiple of the tile and more than one tile.
 * bf16 state and rows with fp32 parameters: fp32 ``beta`` and parameter gradients to 1e-4,
   bf16 outputs and activation gradients to 1.5e-2 of the max (rounding of the result).
 * The tiny model with ``mixer.impl=triton`` vs ``impl=torch`` in fp64 (logits and every
@@ -27,8 +27,9 @@ FP32_TOL = 2e-6
 BF16_PARAM_TOL = 1e-4
 BF16_ACT_TOL = 1.5e-2
 
-# (d_v, hidden, seq, batch); the update's hidden chunk is 128 lanes at d_v 3/4
-CASES = [(4, 40, 7, 3), (3, 200, 5, 1), (1, 24, 9, 2)]
+# (d_v, hidden, seq, batch); in the interpreter a program takes 32 tokens and the update's
+# hidden chunk is 128 lanes: 39 tokens make two tiles, hidden 200 two chunks
+CASES = [(4, 40, 13, 3), (3, 200, 5, 1), (1, 24, 9, 2)]
 V_SCALE, EPS = 4.0, 1e-6
 
 
@@ -127,7 +128,7 @@ def test_backward_is_deterministic_and_beta_optional():
 def test_compiles_without_graph_breaks():
     """AOT autograd over both custom ops with ``fullgraph=True`` (a break would raise):
     eager's outputs and gradients."""
-    x, y, x_in, params, read = make_inputs(4, 40, 7, 3)
+    x, y, x_in, params, read = make_inputs(*CASES[0])
 
     def step(x, y, x_in, wb, bb, wv, bv, read):
         out, beta = ddl_write_triton(x, y, ddl_read_triton(x, read) * x_in, wb, bb, wv, bv,

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depthmix.kernels._common import acc_dtype, cdiv, next_power_of_2, tl_dtype
+from depthmix.kernels._common import acc_dtype, cdiv, interpreting, next_power_of_2, tl_dtype
 
 K_EPS = 1e-5
 """As :data:`depthmix.kernels.ddl.reference.K_EPS`."""
@@ -292,16 +292,27 @@ def ddl_write_params_kernel(
 # ---------------------------------------------------------------------------------------
 
 
+# The interpreter runs programs one by one in numpy: few, large tiles there (still more
+# than one chunk of h in the update for h > 128, more than one token tile above 32 tokens).
 def _read_tiles(h: int, bdv: int) -> Tuple[int, int]:
     """(BT, BH) of the read kernels: about 2K state elements a program."""
+    if interpreting():
+        return 32, next_power_of_2(h)
     bh = min(next_power_of_2(h), max(16, 256 // bdv))
     return max(1, 2048 // (bh * bdv)), bh
 
 
 def _write_tiles(h: int, bdv: int) -> Tuple[int, int]:
     """(BT, BH) of the update kernels: ``[BT, BH, BDV]`` chunks of about 2K elements."""
+    if interpreting():
+        return 32, min(next_power_of_2(h), 128)
     bh = min(next_power_of_2(h), max(16, 512 // bdv))
     return max(1, min(16, 2048 // (bh * bdv))), bh
+
+
+def _params_tiles(h: int) -> int:
+    """BH of the parameter-gradient kernel: one program per 16 hidden columns."""
+    return min(next_power_of_2(h), 128 if interpreting() else 16)
 
 
 def _bdv(dv: int) -> int:
@@ -378,7 +389,7 @@ def ddl_write_bwd(x: Tensor, y: Tensor, x_in: Tensor, beta_weight: Tensor, v_wei
         x, y, x_in, beta_weight, v_weight, stats, grad, dx, dy, dx_in, tok, t, h, v_scale, ts, t0,
         DV=dv, NS=stats_width(dv), BT=bt, BH=bh, BDV=bdv, ACC=tl_dtype(acc), num_warps=4)
     dparams = beta_weight.new_empty(h * (dv + 1) + 1 + dv)
-    bhp = min(next_power_of_2(h), 16)
+    bhp = _params_tiles(h)
     ddl_write_params_kernel[(cdiv(h, bhp),)](
         x_in, tok, dparams, t, h, ts, t0, DV=dv, BT=64, BH=bhp, BDV=bdv, ACC=tl_dtype(acc),
         num_warps=4)
