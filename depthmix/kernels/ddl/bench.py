@@ -118,8 +118,9 @@ def _write_work(t: int, h: int, dv: int) -> tuple:
     """The delta update. Forward per token: ``||y||^2``, ``||x_in||^2``, ``w . x_in``
     (``2 h`` each), ``W_v x_in`` and ``y^T X`` (``2 h d_v`` each), ``X + k delta^T``
     (``3 h d_v``); bytes ``X``, ``y``, ``x_in``, the parameters -> ``X'`` and ``6 + 3 d_v``
-    fp32 statistics (``2 + d_v`` of them the backward's room, zeroed). Backward: ``k^T G`` (``2 h d_v``), ``dX`` (``2 h d_v``), ``dk``
-    (``4 h d_v``), ``dy`` (``3 h``), ``dx_in`` (``2 h d_v + 5 h``), the parameter
+    fp32 statistics (``2 + d_v`` of them the backward's room, zeroed). Backward: ``k^T G``
+    (``2 h d_v``), ``dX`` (``2 h d_v``), ``dk`` (``4 h d_v``), ``dy`` (``3 h``), ``dx_in``
+    (``2 h d_v + 5 h``), the parameter
     reductions (``2 h d_v + 2 h``); bytes ``X``, ``y``, ``x_in``, the statistics and
     ``dL/dX'`` -> ``dX``, ``dy``, ``dx_in`` and the parameter gradients, and the ``2 + d_v``
     per-token intermediates written and read back."""
