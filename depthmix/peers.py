@@ -63,8 +63,19 @@ def hf_qwen3(run: RunConfig, head_dim: int) -> Optional[Peer]:
 
 def compile_hf_layers(model: torch.nn.Module) -> int:
     """Compile each decoder layer of a Hugging Face model in place, as ``train.compile``
-    compiles ours (regional compilation, :mod:`depthmix.pretrain.compile`); returns how many."""
+    compiles ours (regional compilation, :mod:`depthmix.pretrain.compile`); returns how many.
+
+    Dynamo's recompile limit is process-wide and ``compile_layers`` sets it to what our
+    model's bodies need (a hard failure beyond); a Hugging Face layer specialises on its
+    ``layer_idx`` and so compiles one body per layer: the limit is set for that here, after
+    a reset, and a peer beyond it falls back to eager as torch's default does."""
+    import torch._dynamo
+
     layers = list(model.model.layers)
+    torch._dynamo.reset()
+    config = torch._dynamo.config
+    config.recompile_limit = max(8, 3 * len(layers))
+    config.fail_on_recompile_limit_hit = False
     for layer in layers:
         layer.compile()
     return len(layers)

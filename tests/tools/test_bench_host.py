@@ -51,7 +51,9 @@ def test_rows_per_phase_for_the_torch_and_the_kernel_path(megatron_single, tmp_p
         assert all(row["host_us"][p] > 0 and row["aten_calls"][p] > 0 for p in tool.PHASES)
         assert row["loss"] == row["loss"]  # finite: the no-op launches zero their outputs
     vanilla, mhc = rows
-    assert mhc["aten_calls"]["forward"] > vanilla["aten_calls"]["forward"]
+    # mHC's read now takes the sublayer's norm inside its kernel (its forward can match
+    # vanilla's count); its streams' parameters still add gradient and optimizer work
+    assert sum(mhc["aten_calls"].values()) > sum(vanilla["aten_calls"].values())
     table = tool.table(rows).splitlines()
     assert len(table) == 4 and table[2].startswith("| vanilla | torch | eager |")
     cells = [c.strip() for c in table[2].split("|")]
