@@ -38,8 +38,12 @@ def smoke(tmp_path_factory):
     return path, gpu_runs.load(path), proc.stdout
 
 
+SMOKE_WORKER = pytest.mark.xdist_group("test_gpu_bench:smoke")  # one smoke run, not one per worker
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc(at_once=1)
+@SMOKE_WORKER
 def test_smoke_run_writes_a_valid_run_file_of_every_part(smoke):
     path, doc, stdout = smoke
     assert gpu_runs.validate(doc) == []
@@ -77,6 +81,7 @@ def test_smoke_run_writes_a_valid_run_file_of_every_part(smoke):
 
 @pytest.mark.slow
 @pytest.mark.multiproc(at_once=1)
+@SMOKE_WORKER
 def test_the_table_generator_renders_the_smoke_run_and_finds_a_tampered_table(smoke,
                                                                               tmp_path):
     tables = load_tool("gpu_tables")
