@@ -374,7 +374,7 @@ def first_variants(ops: Sequence[str] = ()) -> Callable[[Launch, int], bool]:
     """For :func:`compile_report`'s ``only``: every kernel in every config, each at its
     first benchmark variant (the launch lists put the heaviest first where it matters).
     Each other variant shares its tiles with a compiled one and differs in a group size,
-    mixed state or head count (``DEPTHMIX_KERNEL_REPORT_QUICK=1`` in
+    mixed state or head count (the default of
     ``tests/kernels/test_gpu_compile.py``)."""
     firsts: Dict[tuple, tuple] = {}
     for launch in launches(ops):

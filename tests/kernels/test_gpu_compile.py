@@ -7,17 +7,17 @@ tuple-of-pointer arguments, casts).
 The compiles run in one subprocess without ``TRITON_INTERPRET`` (conftest sets it on CPU,
 and under it ``triton.jit`` builds interpreted functions), one at a time (the other core
 has the other xdist worker): every kernel in every config (autotune list after its prune,
-or the launcher's tile choice) at every benchmark variant on both architectures, 244
-compiles in about 130 s of one core. They go through the report cache
-(``gpu_report.cached_compiles``): a later run compiles only the kernels whose Triton cache
-key changed (their source or a function they call, a config, Triton, ptxas) and reads the
-others' ptxas figures, a few seconds in all; ``DEPTHMIX_KERNEL_REPORT_FRESH=1`` compiles
+or the launcher's tile choice) at its first benchmark variant on both architectures (about
+130 compiles, 3-4 minutes of one core on a cold cache). ``DEPTHMIX_KERNEL_REPORT_QUICK=0``
+compiles every variant (about 300 compiles, ~10 minutes cold; a later variant can need more
+registers than the first: up to 16 more in the depth_mix and moda kernels), as
+``tools/kernel_report.py`` does: run it after changing a kernel. They go through the
+report cache (``gpu_report.cached_compiles``): a later run compiles only the kernels whose
+Triton cache key changed (their source or a function they call, a config, Triton, ptxas)
+and reads the others' ptxas figures; ``DEPTHMIX_KERNEL_REPORT_FRESH=1`` compiles
 everything. What the cache returns is checked against fresh compiles each run: the attnres
 kernels once more, fresh, through the tool's pool of two forked compilers (about a second),
-and a spilling config compiled fresh. ``DEPTHMIX_KERNEL_REPORT_QUICK=1`` compiles each
-kernel and config at its first variant only (88 compiles): a quicker look, not the same
-check (a later variant can need more registers than the first: up to 16 more in the
-depth_mix and moda kernels).
+and a spilling config compiled fresh.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ _SCRIPT = """
 import dataclasses, glob, json, os
 from depthmix.kernels import gpu_report as R
 
-quick = os.environ.get("DEPTHMIX_KERNEL_REPORT_QUICK") == "1"
-rows = R.compile_report(jobs=1, only=R.first_variants() if quick else None)
+quick = os.environ.get("DEPTHMIX_KERNEL_REPORT_QUICK", "1") != "0"
+only = R.first_variants() if quick else None
+rows = R.compile_report(jobs=1, only=only)
 # a config the backward's prune drops: 64 elements of a tile per thread
 spilling = next(l for l in R.launches(["depth_mix"]) if l.name == "depth_mix_bwd_kernel")
 spilling.kwargs.update(BLOCK_T=32, num_warps=2)
@@ -53,16 +54,16 @@ with R.fresh_compiles():
     probe = R.compile_usage(spilling, 90)
 # tools/kernel_report.py's pool (two forked compilers, for a moment), compiling afresh: the
 # same answers as the rows, cached or not
-pool = R.compile_report(["attnres"], capabilities=(80,), jobs=2, fresh=True)
-R.compile_report(["attnres"], capabilities=(80,), fresh=False)  # stored, if the rows were fresh
-again = R.compile_report(["attnres"], capabilities=(80,), fresh=False)  # read from the cache
+pool = R.compile_report(["attnres"], capabilities=(80,), jobs=2, fresh=True, only=only)
+R.compile_report(["attnres"], capabilities=(80,), fresh=False, only=only)  # stored
+again = R.compile_report(["attnres"], capabilities=(80,), fresh=False, only=only)  # cached
 # a report stopped between a compile and storing its figures: the next compiles it again
 for figures in glob.glob(os.path.join(R.report_cache_dir(), "*", R.FIGURES_FILE)):
     for meta in glob.glob(os.path.join(os.path.dirname(figures), "attnres_*_kernel.json")):
         with open(meta) as f:
             if json.load(f)["target"]["arch"] == 80:
                 os.remove(figures)
-recovered = R.compile_report(["attnres"], capabilities=(80,), fresh=False)
+recovered = R.compile_report(["attnres"], capabilities=(80,), fresh=False, only=only)
 print("REPORT " + json.dumps({
     "rows": [dataclasses.asdict(r) for r in rows],
     "probe": dataclasses.asdict(probe),
