@@ -83,6 +83,33 @@ def build_model(run: RunConfig, dtype: Optional[torch.dtype] = None):
     return model.to(dtype) if dtype is not None else model
 
 
+def assert_kernel_model_equals_torch(make_run, perturb: tuple) -> None:
+    """``make_run(impl)`` built in fp64 for ``impl`` torch and triton, the parameters whose
+    names end in ``perturb`` moved away from their init by the same draws: the logits and
+    every parameter's gradient of a random projection of them agree within 1e-10."""
+    results = []
+    for impl in ("torch", "triton"):
+        run = make_run(impl)
+        assert run.mixer.impl == impl
+        model = build_model(run, dtype=torch.float64)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(perturb):
+                    p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+        ids = torch.randint(0, run.model.vocab_size, (2, run.model.seq_length), generator=g)
+        logits = model(ids)
+        w = torch.randn(logits.shape, generator=g, dtype=logits.dtype)
+        names, params = zip(*model.named_parameters())
+        grads = torch.autograd.grad((logits * w).sum(), params)
+        results.append((logits, dict(zip(names, grads))))
+    (ref_logits, ref_grads), (logits, grads) = results
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-12)
+    for name, g_ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], g_ref, rtol=1e-10, atol=1e-12 * (
+            1 + g_ref.abs().max().item()), msg=lambda m, n=name: f"{n}: {m}")
+
+
 @runtime.entry_point
 @torch.no_grad()
 def train_and_save(run: RunConfig, root: str, tokenizer: str) -> str:

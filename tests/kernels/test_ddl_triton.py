@@ -146,28 +146,13 @@ def test_compiles_without_graph_breaks():
 
 def test_model_triton_equals_torch_fp64(megatron_single):
     """The tiny model (two layers, d_v 3) with the fused kernels: logits and every
-    parameter gradient equal the PyTorch path in fp64 (1e-10 relative)."""
-    from depthmix.testing import build_model, tiny_run
+    parameter gradient equal the PyTorch path in fp64 (1e-10 relative), its gates and
+    values away from their init."""
+    from depthmix.testing import assert_kernel_model_equals_torch, tiny_run
 
-    results = []
-    for impl in ("torch", "triton"):
+    def make_run(impl):
         run = tiny_run("ddl", value_channels=3, impl=impl)
         run.model.num_layers = 2
-        assert run.mixer.impl == impl
-        model = build_model(run, dtype=torch.float64)
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():  # gates and values away from their init
-            for name, p in model.named_parameters():
-                if name.endswith(("beta_bias", "v_bias", "read_vector")):
-                    p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
-        ids = torch.randint(0, run.model.vocab_size, (2, run.model.seq_length), generator=g)
-        logits = model(ids)
-        w = torch.randn(logits.shape, generator=g, dtype=logits.dtype)
-        names, params = zip(*[(n, p) for n, p in model.named_parameters()])
-        results.append((logits, dict(zip(names, torch.autograd.grad((logits * w).sum(),
-                                                                    params)))))
-    (ref_logits, ref_grads), (logits, grads) = results
-    torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-12)
-    for name, g_ref in ref_grads.items():
-        torch.testing.assert_close(grads[name], g_ref, rtol=1e-10, atol=1e-12 * (
-            1 + g_ref.abs().max().item()), msg=lambda m, n=name: f"{n}: {m}")
+        return run
+
+    assert_kernel_model_equals_torch(make_run, ("beta_bias", "v_bias", "read_vector"))
