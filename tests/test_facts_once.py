@@ -101,7 +101,7 @@ FACTS: Dict[str, tuple] = {
     "vocabulary padding": (vocab_padding, "config/schema.py"),
     "device peaks": (device_peak, "planning/hardware.py"),
     "byte formatting": (byte_formatting, "planning/units.py"),
-    ".idx header": (idx_header, "data/integrity.py"),
+    ".idx header": (idx_header, "data/index_file.py"),
     "default save directory": (default_save_dir, "checkpoint/store.py"),
     "exit statuses": (exit_status, "runtime/exit_codes.py"),
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Kernel benchmarks: forward and forward+backward time and peak memory, side by side.
 
-Each op ``depthmix/kernels/<op>/bench.py`` defines ``cases(smoke: bool)`` returning
+Each op ``depthmix/bench/<op>.py`` defines ``cases(smoke: bool)`` returning
 :class:`Case` objects: a shape id, a function making fresh inputs, and candidates
 (``ours`` = the Triton kernel, ``torch`` = our PyTorch path, ``compile`` = torch.compile of
 it, and public kernels when importable). All candidates of a case run in one process,
@@ -66,7 +66,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 
-from depthmix import kernels  # noqa: E402
+from depthmix import bench, kernels  # noqa: E402
 
 
 def _sync():
@@ -197,7 +197,7 @@ def main():
     elif not args.profile:
         print(header)
     for op in args.ops.split(","):
-        for case in kernels.bench(op).cases(smoke):
+        for case in bench.hooks(op).cases(smoke):
             if not _selected(case, patterns):
                 continue
             if args.check:

@@ -111,7 +111,7 @@ def build_runs(args):
 
 def print_peers(vanilla_trainer, args) -> None:
     from depthmix.megatron_ext.model import unwrap
-    from depthmix.peers import peer_models, time_forward_backward
+    from depthmix.bench.peers import peer_models, time_forward_backward
 
     run = vanilla_trainer.run
     ours = unwrap(vanilla_trainer.model[0])

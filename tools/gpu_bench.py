@@ -22,7 +22,7 @@ that runs it. The parts:
   tokens/s: its micro-batch and fast paths) at ``--mixer-layers`` (12: a compiled
   non-uniform stack compiles one body per layer) with a vanilla row of each mode beside
   them, each mixer row carrying its extra roofline floor
-  (:func:`depthmix.kernels.roofline.step_extra_floor`) and whether
+  (:func:`depthmix.bench.roofline.step_extra_floor`) and whether
   ``step <= vanilla + 1.5 x extra floor``; Hugging Face's Qwen3 (SDPA) eager and compiled
   (regional, as ours) against our vanilla model, forward + backward at the same shape.
 * ``kernels``: ``moda_attention`` forward + backward at T 4K/16K/64K G 4 D 48 and the MoDA
@@ -613,7 +613,7 @@ def best_vanilla(doc: dict, preset: Optional[str] = None) -> Optional[dict]:
 
 
 def run_mixers(rf: RunFile, mx: Matrix, env: dict, options: dict):
-    from depthmix.kernels.roofline import step_extra_floor
+    from depthmix.bench.roofline import step_extra_floor
     from depthmix.mixers import get_mixer
     from depthmix.planning import hardware
 
@@ -683,7 +683,7 @@ def peers(rf: RunFile, mx: Matrix, trainer, mode: str) -> None:
     """Hugging Face's Qwen3 (SDPA) forward + backward beside our vanilla model's, at the
     trainer's shape; compiled like ours (each decoder layer) in the compiled modes."""
     from depthmix.megatron_ext.model import unwrap
-    from depthmix.peers import compile_hf_layers, hf_qwen3, time_forward_backward
+    from depthmix.bench.peers import compile_hf_layers, hf_qwen3, time_forward_backward
 
     def measure():
         run = trainer.run
@@ -745,11 +745,11 @@ def run_kernels(rf: RunFile, mx: Matrix, env: dict) -> None:
     """MoDA's kernels (``ours``, and ``fused`` where the bench has it) against the case's
     plain attention, forward + backward, with the full kernel's roofline floor and, where
     the bench defines it, the depth floor target ``ours <= baseline + 1.3 x depth floor``."""
-    from depthmix import kernels
+    from depthmix import bench
     from depthmix.planning import hardware
 
-    bench = _tool("bench_kernels")
-    moda = kernels.bench("moda_attention")
+    tool = _tool("bench_kernels")
+    moda = bench.hooks("moda_attention")
     device = hardware.device_named(env["device"]) if env.get("device_kind") else None
     reps, warmup = (1, 0) if mx.smoke else (5, 2)
     for case in moda.cases(mx.smoke):
@@ -772,8 +772,8 @@ def run_kernels(rf: RunFile, mx: Matrix, env: dict) -> None:
         for name in names:
             def measure(name=name, case=case, floor=floor, depth_floor=depth_floor):
                 fn = case.candidates[name]
-                fwd, _ = bench.measure(fn, case.make_inputs, False, reps, warmup)
-                both, peak = bench.measure(fn, case.make_inputs, True, reps, warmup)
+                fwd, _ = tool.measure(fn, case.make_inputs, False, reps, warmup)
+                both, peak = tool.measure(fn, case.make_inputs, True, reps, warmup)
                 if name == case.baseline:
                     baseline_ms[key] = both * 1e3
                 base = baseline_ms.get(key)

@@ -4,9 +4,9 @@
 Compiles every Triton kernel of the four ops (forward and backward, every autotune config
 or launcher tile choice, at the benchmark shapes) for sm_80 and sm_90 with Triton's
 bundled ptxas, and prints per kernel and config the registers per thread, spills and
-shared memory against each architecture's limit (``depthmix/kernels/gpu_report.py``);
+shared memory against each architecture's limit (``depthmix/bench/gpu_report.py``);
 then the roofline floor of each op at each full benchmark shape on an H100 and an H200
-(``depthmix/kernels/roofline.py``). Markdown tables, as in ``docs/benchmarks.md``. Exits 1
+(``depthmix/bench/roofline.py``). Markdown tables, as in ``docs/benchmarks.md``. Exits 1
 when a kernel spills or asks for more shared memory than its architecture has.
 
     python tools/kernel_report.py                      # everything (about 2 min on 2 cores)
@@ -40,7 +40,7 @@ from depthmix import runtime  # noqa: E402
 runtime.install()  # held back: Megatron's import-time notices (the bench modules import it)
 
 from depthmix import kernels  # noqa: E402
-from depthmix.kernels import gpu_report, roofline  # noqa: E402
+from depthmix.bench import gpu_report, roofline  # noqa: E402
 from depthmix.planning.hardware import H100, H200  # noqa: E402
 
 

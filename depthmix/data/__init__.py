@@ -4,7 +4,7 @@
   train/validation micro-batch iterators of one data-parallel rank.
 * ``depthmix-preprocess`` (``preprocess.py``) - jsonl/jsonl.zst -> Megatron ``.bin/.idx``
   (one prefix per domain with ``--split-by``).
-* :func:`~depthmix.data.integrity.check_prefix` (``integrity.py``) - is a ``.bin/.idx``
+* :func:`~depthmix.data.index_file.check_prefix` (``integrity.py``) - is a ``.bin/.idx``
   pair whole and consistent; read from the files, without Megatron.
 * :class:`HFTokenizer` (``tokenizer.py``) - a ``tokenizers`` JSON file with the interface
   Megatron's GPTDataset and the trainer use.

@@ -3,7 +3,7 @@ any process group exists): nothing is built and nothing imports torch or Megatro
 
 * the embedded corpus' vocabulary fits ``model.vocab_size``;
 * every ``data.prefixes`` entry has its ``.bin``/``.idx`` and passes
-  :func:`~depthmix.data.integrity.check_prefix`'s constant-time checks;
+  :func:`~depthmix.data.index_file.check_prefix`'s constant-time checks;
 * ``data.split`` gives every split with a positive weight at least one document (Megatron
   would loop for ever);
 * ``data.tokenizer`` loads and its vocabulary fits ``model.vocab_size``.
@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from depthmix.config.schema import ConfigError, RunConfig
 from depthmix.config.validate import parse_blend, split_weights
-from depthmix.data.integrity import check_prefix
+from depthmix.data.index_file import check_prefix
 from depthmix.data.tokenizer import load_tokenizer
 
 SPLITS = ("train", "valid", "test")

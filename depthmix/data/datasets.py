@@ -168,11 +168,11 @@ def prepare_embedded(run: RunConfig) -> EmbeddedPaths:
 
 # ------------------------------------------------------------------------ blends
 def _check_prefixes(paths: list[str], weighted: bool, tokenizer: HFTokenizer) -> list[str]:
-    """Absolute prefixes, each checked by :func:`~depthmix.data.integrity.check_prefix`.
+    """Absolute prefixes, each checked by :func:`~depthmix.data.index_file.check_prefix`.
 
     Every rank runs the constant-time checks; the pass over each ``.idx`` and the token-id
     sample run once (rank 0, or the only process)."""
-    from depthmix.data.integrity import check_prefix
+    from depthmix.data.index_file import check_prefix
 
     deep = not _distributed() or torch.distributed.get_rank() == 0
     out = []

@@ -8,7 +8,7 @@ Every input line is a JSON object; its ``--json-key`` field (default ``text``) i
 document. Documents are tokenised with the ``tokenizers`` JSON file given by path, the
 end-of-document id is appended to each, and they are written in input order (files sorted
 by name, lines in file order) in Megatron-Core's ``IndexedDataset`` format (see
-:mod:`depthmix.data.integrity`): one sequence per document, tokens as uint16 when the
+:mod:`depthmix.data.index_file`): one sequence per document, tokens as uint16 when the
 vocabulary fits (else int32). Files are streamed
 (``.zst`` and ``.gz`` decompressed on the fly), so memory does not grow with file size.
 
@@ -27,7 +27,6 @@ seconds and whose per-document Python lists cost memory), so it starts quickly.
 
 from __future__ import annotations
 
-import array
 import collections
 import glob
 import gzip
@@ -37,7 +36,6 @@ import json
 import multiprocessing
 import os
 import re
-import struct
 import sys
 import time
 import zlib
@@ -46,7 +44,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from depthmix.data.integrity import DTYPES, INDEX_MAGIC, INDEX_VERSION
+from depthmix.data.index_file import TokenFileWriter, token_dtype
 
 MAX_SPLITS = 1000
 """More distinct ``--split-by`` values than this is an error (a wrong key, most likely)."""
@@ -257,43 +255,6 @@ def _bounded_imap(pool, fn, items, max_pending: int):
             yield pending.popleft().get()
     while pending:
         yield pending.popleft().get()
-
-
-def token_dtype(vocab_size: int) -> type:
-    """uint16 when every id fits (vocab <= 65536), else int32 (as Megatron reads them)."""
-    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
-
-
-class TokenFileWriter:
-    """Writes a ``.bin/.idx`` pair in Megatron-Core's ``IndexedDataset`` format, one
-    sequence per document, as its ``IndexedDatasetBuilder`` does (``add_document`` with one
-    length, then ``finalize``); lengths are kept as int32, 4 bytes per document."""
-
-    def __init__(self, bin_path: str, dtype: type):
-        self.dtype = np.dtype(dtype)
-        self.code = next(c for c, t in DTYPES.items() if np.dtype(t) == self.dtype)
-        self.data_file = open(bin_path, "wb")
-        self.lengths = array.array("i")
-
-    def add_document(self, tokens: np.ndarray) -> None:
-        self.data_file.write(np.asarray(tokens, dtype=self.dtype).tobytes())
-        self.lengths.append(len(tokens))
-
-    def close(self) -> None:
-        self.data_file.close()
-
-    def finalize(self, idx_path: str) -> None:
-        self.close()
-        lengths = np.frombuffer(self.lengths, dtype=np.int32)
-        count = len(lengths)
-        pointers = np.zeros(count, dtype=np.int64)
-        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        with open(idx_path, "wb") as f:
-            f.write(INDEX_MAGIC + struct.pack("<QBQQ", INDEX_VERSION, self.code, count,
-                                              count + 1))
-            f.write(lengths.tobytes())
-            f.write(pointers.tobytes())
-            f.write(np.arange(count + 1, dtype=np.int64).tobytes())  # document boundaries
 
 
 def split_name(value: str) -> str:

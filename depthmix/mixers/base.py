@@ -101,7 +101,7 @@ CHECKS = ("decode", "recompute", "transport", "accounting", "generate", "parity"
   equals the full forward; full recomputation gives the same gradients);
 * ``transport``: ``tests/megatron_ext/test_transport.py`` (the pipeline transport, at 8
   layers: options that give the mixer its depth state there);
-* ``accounting``: ``tests/ops/test_accounting.py`` (parameters and FLOPs against the model);
+* ``accounting``: ``tests/planning/test_accounting.py`` (parameters and FLOPs against the model);
 * ``generate``: ``tests/inference/test_generate.py`` (batched generation);
 * ``parity``: ``tests/parallel/test_parity.py`` (every parallel layout against one rank);
 * ``kernels``: ``tests/kernels/test_dispatch.py`` (only a mixer with ``kernels``: options
@@ -189,7 +189,7 @@ class Mixer:
     state as its ops save it, coefficients, stacks, norms), per unrolled layer and at the
     head, on one TP rank (hidden-side tensors divided by ``tp`` under sequence
     parallelism). Each hook documents its closed form; ``depthmix.planning.memory`` adds
-    it to the vanilla layer and tests/ops/test_memory_model.py checks it against
+    it to the vanilla layer and tests/planning/test_memory_model.py checks it against
     measurement."""
     view_entries: Callable = lambda config, tp: {}
     """``(DepthMixConfig, tp) -> {name: elements per token}``: depth-state entries that are

@@ -1,6 +1,6 @@
 """The one table of GPUs: data-sheet numbers that the MFU (:mod:`depthmix.planning.flops`),
 the layout planner (:mod:`depthmix.planning.planner`) and the kernels' roofline floors
-(:mod:`depthmix.kernels.roofline`) read.
+(:mod:`depthmix.bench.roofline`) read.
 
 Peaks are dense (no sparsity), from the vendors' data sheets: NVIDIA H100 Tensor Core GPU
 (SXM5, PCIe, NVL), NVIDIA H200 and NVIDIA A100 Tensor Core GPU. Memory is what the driver

@@ -14,7 +14,7 @@ State (bytes)::
                                              / dp with the distributed optimizer
 
 Saved for backward per micro-batch and token, one decoder layer (elements; what the
-layer's autograd graph holds with the SDPA core, measured by tests/ops/memory_probe.py)::
+layer's autograd graph holds with the SDPA core, measured by tests/planning/memory_probe.py)::
 
     norms      2 (3h + 1) / t       per RMSNorm: input, 1/rms, normalised, scaled output
     attention  5 H d_h + 4 H_kv d_h + 2 H + H_kv

@@ -204,7 +204,7 @@ def test_preflight_reads_the_document_count_megatron_reads(two_prefixes):
     """The count the split check reads (:func:`depthmix.data.checks.check_data`)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from depthmix.data.integrity import check_prefix
+    from depthmix.data.index_file import check_prefix
 
     for prefix in two_prefixes:
         sequences = check_prefix(prefix, "data.prefixes", deep=False).sequences

@@ -7,7 +7,7 @@ import zstandard
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from depthmix.data.corpus import iter_documents
-from depthmix.data.integrity import check_prefix
+from depthmix.data.index_file import check_prefix
 from depthmix.cli.preprocess import main
 from depthmix.data.preprocess import (_split_names, expand_inputs, preprocess, read_manifest,
                                       split_name, token_dtype)

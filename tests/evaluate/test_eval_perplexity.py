@@ -12,7 +12,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,8 +20,7 @@ import torch
 from depthmix.config.schema import ConfigError
 from depthmix.evaluate.job import compose_job
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops"))
-from ops_harness import PYTHON, env_for_subprocess, make_run, spawn, train
+from run_harness import PYTHON, env_for_subprocess, make_run, spawn, train
 
 SIZES = {"a": 300, "b": 170}
 """Tokens per dataset: 299 / 16 -> 18 full windows and a partial one; 169 -> 10 and one."""

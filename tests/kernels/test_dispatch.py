@@ -71,16 +71,6 @@ def test_op_package_names_its_two_implementations(op):
     assert package.IMPLS["torch"].endswith(f":{op}_reference")
     assert package.IMPLS["triton"].endswith(f":{op}_triton")
     assert select(op, "torch") is getattr(package, f"{op}_reference")
-    kernels.bench(op)  # defines what the benchmark, roofline and GPU-compile lists need
-
-
-def test_an_op_without_a_bench_hook_is_named(monkeypatch):
-    import importlib
-
-    bench = importlib.import_module("depthmix.kernels.mhc.bench")
-    monkeypatch.delattr(bench, "roofline_work")
-    with pytest.raises(AttributeError, match="kernel op 'mhc' .* has no roofline_work"):
-        kernels.bench("mhc")
 
 
 @pytest.mark.parametrize("op", KERNEL_OPS)

@@ -158,11 +158,11 @@ MATRICES = {
         "test_options_give_depth_state[toy]",
         "test_sent_and_cached_split_the_live_state[toy-pp2xvp2]",
         "test_packed_wire_carries_the_live_state[toy-pp4xvp2]"},
-    "tests/ops/test_accounting.py": {"test_parameter_count_matches_every_mixer[toy]",
+    "tests/planning/test_accounting.py": {"test_parameter_count_matches_every_mixer[toy]",
                                      "test_mixer_flops_match_the_model[toy]",
                                      "test_every_mixer_adds_flops_and_params_at_3b"},
-    "tests/ops/test_memory_model.py": {"test_memory_model_matches_measurement[toy-dp2_distopt]"},
-    "tests/ops/test_overheads.py": {"test_cli_prints_every_mixer"},
+    "tests/planning/test_memory_model.py": {"test_memory_model_matches_measurement[toy-dp2_distopt]"},
+    "tests/planning/test_overheads.py": {"test_cli_prints_every_mixer"},
     "tests/inference/test_generate.py": {
         "test_batched_prompts_of_different_lengths_equal_each_alone[toy]"},
     "tests/config/test_cli.py": {"test_every_shipped_mixer_starts_with_the_defaults[toy]",
@@ -179,7 +179,7 @@ def test_every_matrix_runs_the_toy(toy, toy_path, tmp_path):
     collected in every matrix and pass, except the closed form only a person can write."""
     report = tmp_path / "report.xml"
     ids = [f"{path}::{name}" for path, names in MATRICES.items() for name in sorted(names)]
-    ids += [f"tests/ops/test_overheads.py::{name}" for name in ASKS_FOR]
+    ids += [f"tests/planning/test_overheads.py::{name}" for name in ASKS_FOR]
     out = subprocess.run(  # a test id that was not collected fails the run (not found)
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          f"--junitxml={report}", *ids], cwd=REPO, env=env_with(toy_path),
@@ -196,7 +196,7 @@ def test_every_matrix_runs_the_toy(toy, toy_path, tmp_path):
         for name in names:
             assert outcomes.get((path, name)) == "passed", (path, name, summary)
     for name, message in ASKS_FOR.items():
-        assert message in outcomes[("tests/ops/test_overheads.py", name)], summary
+        assert message in outcomes[("tests/planning/test_overheads.py", name)], summary
     failed = {k: v for k, v in outcomes.items() if v != "passed" and k[1] not in ASKS_FOR}
     assert not failed, json.dumps({f"{p}::{n}": m[:300] for (p, n), m in failed.items()})
 

@@ -24,7 +24,7 @@ def test_mixers_learn_in_one_multirun(tmp_path):
     """`depthmix-train -m mixer=a,b`: each mixer trains the tiny model (6 layers, so Block
     AttnRes' default 12-sublayer block fits) with its loss falling, each job in its own
     output directory. Two mixers: every mixer's training through its Hydra config is
-    tests/golden (10 steps, TP1 and PP2, bit for bit), multirun's jobs tests/ops/test_multirun."""
+    tests/golden (10 steps, TP1 and PP2, bit for bit), multirun's jobs tests/config/test_multirun."""
     mixers = ["vanilla", "attnres_block"]
     proc = run("depthmix-train", [
         "-m", "logger=none", f"hydra.sweep.dir={tmp_path}/sweep",

@@ -1,7 +1,7 @@
 """``python -m depthmix.runtime.torchrun``, in this process: torchrun's log waits for the run
 directory and never reaches the console (unless verbose); only the first death signal
-stops torchrun. The launches themselves: ``tests/ops/test_preemption.py`` (local.sh) and
-``tests/ops/test_launch.py`` (SLURM)."""
+stops torchrun. The launches themselves: ``tests/runtime/test_preemption.py`` (local.sh) and
+``tests/runtime/test_launch.py`` (SLURM)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ a GPU run prints) measures what it says."""
 
 import pytest
 
-from depthmix import kernels
+from depthmix import bench
 from depthmix.kernels.dispatch import triton_status
 from tools_modules import load_tool
 
@@ -12,7 +12,7 @@ from tools_modules import load_tool
 def test_check_reports_ours_against_the_fp32_reference():
     """The interpreter's kernel is at fp32 accuracy; a kernel 1 % off is reported as such."""
     tool = load_tool("bench_kernels")
-    case = kernels.bench("depth_mix").cases(smoke=True)[0]
+    case = bench.hooks("depth_mix").cases(smoke=True)[0]
     outputs, grads, n = tool.check(case)
     assert n == 7 and max(outputs, grads) < 1e-5, (outputs, grads, n)
 
@@ -28,7 +28,7 @@ def test_profile_prints_where_the_time_goes_and_writes_a_trace(tmp_path, capsys)
     import json
 
     tool = load_tool("bench_kernels")
-    case = kernels.bench("mhc").cases(smoke=True)[0]  # Sinkhorn, the reference path
+    case = bench.hooks("mhc").cases(smoke=True)[0]  # Sinkhorn, the reference path
     tool.profile("sinkhorn torch", case.candidates["torch"], case.make_inputs, iters=2,
                  warmup=1, trace_dir=str(tmp_path))
     out = capsys.readouterr().out

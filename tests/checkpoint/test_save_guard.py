@@ -21,7 +21,7 @@ from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
 
 from cli_runs import Proc
-from ops_harness import PYTHON, env_for_subprocess, make_run
+from run_harness import PYTHON, env_for_subprocess, make_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

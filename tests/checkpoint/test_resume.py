@@ -20,7 +20,7 @@ import pytest
 
 from depthmix.checkpoint.store import latest_checkpoint, list_checkpoints, read_meta, step_dir
 
-from ops_harness import make_run, spawn, train
+from run_harness import make_run, spawn, train
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

@@ -23,8 +23,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from depthmix.kernels.bench_case import Case, fla_causal_attention, implementations
-from depthmix.kernels.roofline import BF16, FP32, Work, label_pairs
+from depthmix.bench.case import Case, fla_causal_attention, implementations
+from depthmix.bench.roofline import BF16, FP32, Work, label_pairs
 from depthmix.megatron_ext.attention import causal_sdpa
 
 
@@ -107,7 +107,7 @@ def cases(smoke: bool) -> list:
 
 
 # ---------------------------------------------------------------------------------------
-# What the full shapes cost (depthmix.kernels.roofline) and launch (depthmix.kernels.gpu_report)
+# What the full shapes cost (depthmix.bench.roofline) and launch (depthmix.bench.gpu_report)
 # ---------------------------------------------------------------------------------------
 
 
@@ -143,7 +143,7 @@ def gpu_launches(mixed_states: Sequence[str] = ("key_value", "value")) -> list:
     first (both states, then the largest group), so that a config's first variant is the
     one most likely to spill."""
     from depthmix.kernels.depth_mix import triton as K
-    from depthmix.kernels.gpu_report import expand, meta, recorded_launches
+    from depthmix.bench.gpu_report import expand, meta, recorded_launches
 
     out = []
     for t, heads, g, hd, dtype, s in sorted(shapes(smoke=False), key=lambda s: -s.g):

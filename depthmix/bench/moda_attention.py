@@ -50,8 +50,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from depthmix.kernels.bench_case import Case, fla_causal_attention, implementations
-from depthmix.kernels.roofline import BF16, FP32, Work, label_pairs
+from depthmix.bench.case import Case, fla_causal_attention, implementations
+from depthmix.bench.roofline import BF16, FP32, Work, label_pairs
 from depthmix.megatron_ext.attention import causal_sdpa
 from depthmix.planning.hardware import H100, H200, Device
 
@@ -174,7 +174,7 @@ def cases(smoke: bool) -> list:
 
 
 # ---------------------------------------------------------------------------------------
-# What the full shapes cost (depthmix.kernels.roofline) and launch (depthmix.kernels.gpu_report)
+# What the full shapes cost (depthmix.bench.roofline) and launch (depthmix.bench.gpu_report)
 # ---------------------------------------------------------------------------------------
 
 
@@ -240,7 +240,7 @@ def gpu_launches() -> list:
     """The 3B-layout shapes and the MoDA paper's rows: the fused kernels (tiles from
     ``default_tiles``) and the split path's depth kernels (``default_depth_tiles``)."""
     from depthmix.kernels.moda_attention import triton as K
-    from depthmix.kernels.gpu_report import expand, meta, recorded_launches
+    from depthmix.bench.gpu_report import expand, meta, recorded_launches
 
     out = []
     for t, heads, g, hd, d, dtype in shapes(smoke=False) + paper_shapes():

@@ -19,7 +19,7 @@ from depthmix.pretrain.health import NONFINITE_LOSS, Action, HealthGuard, Traini
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
 
-from ops_harness import FaultyData, Recorder, make_run, run_cli, spawn, train
+from run_harness import FaultyData, Recorder, make_run, run_cli, spawn, train
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from depthmix.config.load import compose_run
 from depthmix.runtime import exit_codes
 
 from cli_runs import base_env
-from ops_harness import run_cli
+from run_harness import run_cli
 
 
 @pytest.fixture

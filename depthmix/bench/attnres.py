@@ -38,8 +38,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from depthmix.kernels.bench_case import Case, implementations
-from depthmix.kernels.roofline import BF16, FP32, Work, label_pairs
+from depthmix.bench.case import Case, implementations
+from depthmix.bench.roofline import BF16, FP32, Work, label_pairs
 
 HIDDEN, NUM_LAYERS, BLOCK_SIZE, EPS = 2048, 48, 12, 1e-6
 
@@ -135,7 +135,7 @@ def cases(smoke: bool) -> list:
 
 
 # ---------------------------------------------------------------------------------------
-# What the full shapes cost (depthmix.kernels.roofline) and launch (depthmix.kernels.gpu_report)
+# What the full shapes cost (depthmix.bench.roofline) and launch (depthmix.bench.gpu_report)
 # ---------------------------------------------------------------------------------------
 
 
@@ -166,7 +166,7 @@ def gpu_launches() -> list:
     """Full and Block AttnRes reads, without and with the output norm (the sublayer's input
     RMSNorm, ``read_normed`` under ``impl=triton``)."""
     from depthmix.kernels.attnres import triton as K
-    from depthmix.kernels.gpu_report import expand, meta, recorded_launches
+    from depthmix.bench.gpu_report import expand, meta, recorded_launches
 
     out = []
     for kind, t, hidden, s, dtype in shapes(smoke=False):

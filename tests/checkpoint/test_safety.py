@@ -18,7 +18,7 @@ from depthmix.megatron_ext.model import unwrap
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData, tiny_run
 
-from ops_harness import make_run
+from run_harness import make_run
 
 
 def _run(tmp_path, mixer="vanilla", **train):

@@ -21,7 +21,7 @@ from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
 
 from cli_runs import TINY, base_env, rank_processes, torchrun
-from ops_harness import make_run, spawn, train
+from run_harness import make_run, spawn, train
 
 
 def _leftovers(root):

@@ -10,9 +10,9 @@ import subprocess
 import threading
 import time
 
-from ops_harness import PYTHON, REPO, env_for_subprocess
+from run_harness import PYTHON, REPO, env_for_subprocess
 
-FAKE_SLURM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_slurm")
+FAKE_SLURM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime", "fake_slurm")
 STEP = re.compile(r"^step\s+(\d+)/")
 
 # small and quick: the tiny preset on 8-sample steps, loss every step, no W&B, no eval

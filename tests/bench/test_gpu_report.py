@@ -1,6 +1,6 @@
 """Every Triton kernel of every kernel op compiles to sm_80 and sm_90 machine code without
 register spills and within its architecture's shared memory (no GPU needed: Triton's
-bundled ptxas, ``depthmix/kernels/gpu_report.py``). The interpreter the other kernel
+bundled ptxas, ``depthmix/bench/gpu_report.py``). The interpreter the other kernel
 tests use checks none of this, nor what only the compiler checks (constexpr control flow,
 tuple-of-pointer arguments, casts).
 
@@ -33,7 +33,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the triton package is not installed (non-x86_64 Linux)")
 
-from depthmix.kernels.gpu_report import ARCHS, Usage, check_limits
+from depthmix.bench.gpu_report import ARCHS, Usage, check_limits
 
 # one child: the subprocess that compiles, one kernel at a time (its pool check forks two
 # compilers for about a second)
@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1),
 
 _SCRIPT = """
 import dataclasses, glob, json, os
-from depthmix.kernels import gpu_report as R
+from depthmix.bench import gpu_report as R
 
 quick = os.environ.get("DEPTHMIX_KERNEL_REPORT_QUICK", "1") != "0"
 only = R.first_variants() if quick else None

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cli_runs import TINY, base_env, torchrun
-from ops_harness import run_cli
+from run_harness import run_cli
 from wandb_files import run_dirs
 
 pytestmark = [pytest.mark.slow]

@@ -1,12 +1,12 @@
-"""Roofline floors (``depthmix/kernels/roofline.py``): counts checked against tensors
+"""Roofline floors (``depthmix/bench/roofline.py``): counts checked against tensors
 listed by hand, bounds, and one forward and one backward per full benchmark shape."""
 
 from __future__ import annotations
 
 import pytest
 
-from depthmix import kernels
-from depthmix.kernels import roofline
+from depthmix import bench, kernels
+from depthmix.bench import roofline
 from depthmix.planning.hardware import H100, H200
 
 
@@ -17,7 +17,7 @@ def _find(work, op, case, direction):
 def test_depth_mix_bytes_are_each_tensor_once():
     t, heads, ng, d = 4096, 16, 4, 128
     query, kv_head = t * heads * d * 2, t * ng * d * 2
-    work = kernels.bench("depth_mix").roofline_work()
+    work = bench.hooks("depth_mix").roofline_work()
     fwd = _find(work, "depth_mix", "T4096-G4-hd128", "fwd")
     # q, k, v, 2 source keys, 2 source values -> mixed value, fp32 lse
     assert fwd.bytes == query + 6 * kv_head + kv_head + t * ng * 4
@@ -28,7 +28,7 @@ def test_depth_mix_bytes_are_each_tensor_once():
 
 def test_moda_counts_causal_and_depth_pairs():
     t, heads, d, depth = 65536, 16, 128, 48
-    work = kernels.bench("moda_attention").roofline_work()
+    work = bench.hooks("moda_attention").roofline_work()
     fwd = _find(work, "moda_attention", "T65536-G8-hd128-D48", "fwd")
     pairs = heads * (t * (t + 1) / 2 + t * depth)
     assert fwd.tensor_flops == 4 * d * pairs
@@ -48,11 +48,11 @@ def test_bounds_and_devices():
 
 
 def test_one_forward_and_backward_per_full_benchmark_shape():
-    from depthmix.kernels.attnres import bench as attnres_bench
-    from depthmix.kernels.ddl import bench as ddl_bench
-    from depthmix.kernels.depth_mix import bench as depth_mix_bench
-    from depthmix.kernels.mhc import bench as mhc_bench
-    from depthmix.kernels.moda_attention import bench as moda_bench
+    from depthmix.bench import attnres as attnres_bench
+    from depthmix.bench import ddl as ddl_bench
+    from depthmix.bench import depth_mix as depth_mix_bench
+    from depthmix.bench import mhc as mhc_bench
+    from depthmix.bench import moda_attention as moda_bench
 
     expected = {
         "depth_mix": len(depth_mix_bench.shapes(False)),

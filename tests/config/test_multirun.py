@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from cli_runs import base_env
-from ops_harness import run_cli
+from run_harness import run_cli
 from wandb_files import read_run, run_dirs
 
 

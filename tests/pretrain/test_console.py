@@ -155,7 +155,7 @@ def test_run_name_fixes_the_output_directory(monkeypatch):
 
 
 def test_profiler_writes_a_chrome_trace(megatron_single, tmp_path):
-    from ops_harness import make_run
+    from run_harness import make_run
 
     from depthmix.config.schema import ConfigError
     from depthmix.pretrain.callbacks import ProfilerCallback

@@ -13,7 +13,7 @@ from depthmix.pretrain.callbacks import CheckpointCallback
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
 
-from ops_harness import make_run
+from run_harness import make_run
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ def test_dp_reshardable_optimizer_state_cannot_change_tp(trainer_factory, tmp_pa
 def test_resume_with_the_real_data_pipeline_is_exact(megatron_single, tmp_path):
     """build_data(..., consumed_train_samples) from the checkpoint continues the sample
     order exactly (embedded corpus, GPTDataset)."""
-    from ops_harness import Recorder
+    from run_harness import Recorder
 
     def run_config(**train):
         run = make_run()

@@ -17,7 +17,7 @@ import pytest
 
 from depthmix.cli.sweep import format_cell
 from cli_runs import base_env
-from ops_harness import PYTHON, run_cli
+from run_harness import PYTHON, run_cli
 from wandb_files import read_run, run_dirs
 
 # one shared sweep: its tests stay on one xdist worker

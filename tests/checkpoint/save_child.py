@@ -18,7 +18,7 @@ from depthmix import runtime
 from depthmix.pretrain.trainer import Trainer, default_callbacks
 from depthmix.testing import SyntheticData
 
-from ops_harness import make_run
+from run_harness import make_run
 
 
 def slow_writers(directory: str, delay: float) -> None:

@@ -31,9 +31,9 @@ from typing import Callable, Dict, NamedTuple
 
 import torch
 
-from depthmix.kernels.bench_case import Case
+from depthmix.bench.case import Case
 from depthmix.kernels.dispatch import triton_status
-from depthmix.kernels.roofline import BF16, FP32, Work, label_pairs
+from depthmix.bench.roofline import BF16, FP32, Work, label_pairs
 from depthmix.kernels.mhc.reference import (
     mhc_post_res_reference,
     mhc_read_reference,
@@ -142,7 +142,7 @@ def cases(smoke: bool) -> list:
 
 
 # ---------------------------------------------------------------------------------------
-# What the full shapes cost (depthmix.kernels.roofline) and launch (depthmix.kernels.gpu_report)
+# What the full shapes cost (depthmix.bench.roofline) and launch (depthmix.bench.gpu_report)
 # ---------------------------------------------------------------------------------------
 
 
@@ -218,7 +218,7 @@ def gpu_launches() -> list:
     """Sinkhorn alone (fp32 logits), the read and the post/res launches (bf16 streams);
     every output gradient present, as autograd materialises them."""
     from depthmix.kernels.mhc import triton as K
-    from depthmix.kernels.gpu_report import expand, meta, recorded_launches
+    from depthmix.bench.gpu_report import expand, meta, recorded_launches
 
     out = []
     for t, n, h, dtype in shapes(smoke=False):

@@ -1,4 +1,5 @@
-"""Is a Megatron ``.bin/.idx`` token prefix whole and self-consistent? Checked from the files.
+"""Megatron's ``.bin/.idx`` token files: written by :class:`TokenFileWriter`, checked whole
+and self-consistent by :func:`check_prefix`, both from the format below.
 
 :func:`check_prefix` reads the ``.idx`` of Megatron-Core's ``IndexedDataset`` (the
 ``MMapIndexedDataset`` format) directly, so it needs neither Megatron nor a process group
@@ -22,7 +23,9 @@ the prefix and the numbers that disagree.
 
 from __future__ import annotations
 
+import array
 import os
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -177,3 +180,40 @@ def _token_range(bin_path: str, dtype: np.dtype, bin_bytes: int) -> tuple[int, i
     starts = np.linspace(0, len(tokens) - per_block, SAMPLE_BLOCKS).astype(np.int64)
     blocks = [np.asarray(tokens[s:s + per_block]) for s in starts]
     return min(int(b.min()) for b in blocks), max(int(b.max()) for b in blocks)
+
+
+def token_dtype(vocab_size: int) -> type:
+    """uint16 when every id fits (vocab <= 65536), else int32 (as Megatron reads them)."""
+    return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+
+
+class TokenFileWriter:
+    """Writes a ``.bin/.idx`` pair in Megatron-Core's ``IndexedDataset`` format, one
+    sequence per document, as its ``IndexedDatasetBuilder`` does (``add_document`` with one
+    length, then ``finalize``); lengths are kept as int32, 4 bytes per document."""
+
+    def __init__(self, bin_path: str, dtype: type):
+        self.dtype = np.dtype(dtype)
+        self.code = next(c for c, t in DTYPES.items() if np.dtype(t) == self.dtype)
+        self.data_file = open(bin_path, "wb")
+        self.lengths = array.array("i")
+
+    def add_document(self, tokens: np.ndarray) -> None:
+        self.data_file.write(np.asarray(tokens, dtype=self.dtype).tobytes())
+        self.lengths.append(len(tokens))
+
+    def close(self) -> None:
+        self.data_file.close()
+
+    def finalize(self, idx_path: str) -> None:
+        self.close()
+        lengths = np.frombuffer(self.lengths, dtype=np.int32)
+        count = len(lengths)
+        pointers = np.zeros(count, dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        with open(idx_path, "wb") as f:
+            f.write(INDEX_MAGIC + struct.pack("<QBQQ", INDEX_VERSION, self.code, count,
+                                              count + 1))
+            f.write(lengths.tobytes())
+            f.write(pointers.tobytes())
+            f.write(np.arange(count + 1, dtype=np.int64).tobytes())  # document boundaries

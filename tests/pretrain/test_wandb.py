@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from ops_harness import make_run, spawn, train
+from run_harness import make_run, spawn, train
 from png_files import read_png
 from wandb_files import read_run, run_dirs
 

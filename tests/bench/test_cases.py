@@ -1,4 +1,4 @@
-"""The kernel benchmarks (``depthmix/kernels/<op>/bench.py``) time what they claim to.
+"""The kernel benchmarks (``depthmix/bench/<op>.py``) time what they claim to.
 
 * Smoke shapes (CPU, ``ours`` in the Triton interpreter): every candidate runs forward and
   backward once; ``ours`` (and ``ours+<attn>``) agrees with ``torch`` (``torch+<attn>``) on
@@ -100,7 +100,7 @@ def _close(name, ours, ref):
 
 @pytest.mark.parametrize("op", OPS)
 def test_smoke_candidates_run_and_agree(op):
-    cases = importlib.import_module(f"depthmix.kernels.{op}.bench").cases(smoke=True)
+    cases = importlib.import_module(f"depthmix.bench.{op}").cases(smoke=True)
     assert cases
     for case in cases:
         assert case.baseline in case.candidates, case.shape
@@ -124,7 +124,7 @@ def test_smoke_candidates_run_and_agree(op):
 
 def _fake_full_cases(op, monkeypatch):
     """``cases(smoke=False)`` as on a GPU; allocating while building them fails."""
-    bench = importlib.import_module(f"depthmix.kernels.{op}.bench")
+    bench = importlib.import_module(f"depthmix.bench.{op}")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with monkeypatch.context() as m:
         for fn in ("randn", "empty", "zeros", "ones", "tensor"):

@@ -13,7 +13,7 @@ from depthmix.config.schema import ConfigError
 from depthmix.pretrain.preflight import preflight
 from depthmix.data import build_data
 from depthmix.data.corpus import iter_documents
-from depthmix.data.integrity import check_prefix
+from depthmix.data.index_file import check_prefix
 from depthmix.data.preprocess import preprocess
 
 

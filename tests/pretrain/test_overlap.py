@@ -26,7 +26,7 @@ import torch
 
 from depthmix.testing import gather_full, variant_cases, variant_run
 
-from ops_harness import FaultyData, Recorder, make_run, spawn, train
+from run_harness import FaultyData, Recorder, make_run, spawn, train
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

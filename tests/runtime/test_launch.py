@@ -14,10 +14,10 @@ import pytest
 from depthmix.checkpoint.store import latest_checkpoint, step_dir
 
 from cli_runs import TINY, Proc, assert_quiet_signal_stop, calls, slurm_env
-from ops_harness import REPO
+from run_harness import REPO
 
 SCRIPTS = ["launch/slurm/train.sbatch", "launch/slurm/node.sh", "launch/local.sh",
-           "tests/ops/fake_slurm/srun", "tests/ops/fake_slurm/scontrol"]
+           "tests/runtime/fake_slurm/srun", "tests/runtime/fake_slurm/scontrol"]
 SBATCH = os.path.join(REPO, "launch", "slurm", "train.sbatch")
 
 

@@ -22,10 +22,10 @@ from typing import Callable, Dict, NamedTuple
 import torch
 
 from depthmix.config.schema import ModelConfig
-from depthmix.kernels.bench_case import Case
+from depthmix.bench.case import Case
 from depthmix.kernels.ddl.reference import ddl_read_reference, ddl_write_reference
 from depthmix.kernels.dispatch import triton_status
-from depthmix.kernels.roofline import BF16, FP32, Work, label_pairs
+from depthmix.bench.roofline import BF16, FP32, Work, label_pairs
 from depthmix.mixers.ddl import DDLConfig
 
 HIDDEN, EPS = 1536, ModelConfig().norm_epsilon
@@ -101,7 +101,7 @@ def cases(smoke: bool) -> list:
 
 
 # ---------------------------------------------------------------------------------------
-# What the full shapes cost (depthmix.kernels.roofline) and launch (depthmix.kernels.gpu_report)
+# What the full shapes cost (depthmix.bench.roofline) and launch (depthmix.bench.gpu_report)
 # ---------------------------------------------------------------------------------------
 
 
@@ -147,7 +147,7 @@ def roofline_work() -> list:
 def gpu_launches() -> list:
     """The read and the update, forward and backward (bf16 state, rows and parameters)."""
     from depthmix.kernels.ddl import triton as K
-    from depthmix.kernels.gpu_report import expand, meta, recorded_launches
+    from depthmix.bench.gpu_report import expand, meta, recorded_launches
 
     out = []
     for t, h, dv, dtype in shapes(smoke=False):

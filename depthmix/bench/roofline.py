@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
+from depthmix import bench
 from depthmix.planning.hardware import H100, Device
 
 BF16, FP32 = 2, 4  # bytes per element
@@ -75,10 +76,10 @@ def label_pairs(cases: List[Tuple[str, Tuple[Work, Work]]]) -> List[Work]:
 
 def all_work(ops: Sequence[str] = ()) -> List[Work]:
     """Forward and backward of every full benchmark shape of ``ops`` (default: every
-    kernel op), from each op's ``bench.roofline_work``."""
+    kernel op), from each op's ``roofline_work``."""
     from depthmix import kernels
 
-    return [w for op in ops or kernels.ops() for w in kernels.bench(op).roofline_work()]
+    return [w for op in ops or kernels.ops() for w in bench.hooks(op).roofline_work()]
 
 
 # ---------------------------------------------------------------------------------------
@@ -151,7 +152,7 @@ def mixer_step_work(run, tokens: int) -> List[Work]:
     if name == "depth_attn":
         from depthmix.mixers.depth_attn import DepthSchedule
 
-        schedule, work = DepthSchedule.from_config(x), kernels.bench("depth_mix")._work
+        schedule, work = DepthSchedule.from_config(x), bench.hooks("depth_mix")._work
         for u in range(x.unrolled_layers):
             if schedule.sources(u):
                 out += _named("depth_mix", f"layer {u}",
@@ -159,7 +160,7 @@ def mixer_step_work(run, tokens: int) -> List[Work]:
     elif name == "moda":
         from depthmix.mixers.moda import MoDAGeometry, _projects
 
-        geo, work = MoDAGeometry.from_config(x), kernels.bench("moda_attention")._work
+        geo, work = MoDAGeometry.from_config(x), bench.hooks("moda_attention")._work
         for u in range(geo.unrolled):
             depth = len(geo.visible(u))
             if depth:
@@ -173,19 +174,19 @@ def mixer_step_work(run, tokens: int) -> List[Work]:
     elif name in ("attnres_full", "attnres_block"):
         from depthmix.mixers.attnres import AttnResGeometry
 
-        geo, work = AttnResGeometry.from_config(x), kernels.bench("attnres")._work
+        geo, work = AttnResGeometry.from_config(x), bench.hooks("attnres")._work
         for i in range(1, geo.head + 1):
             where = "head" if i == geo.head else f"sublayer {i}"
             out += _named("attnres", where, work(t, h, len(geo.sources(i))))
     elif name == "mhc":
         from depthmix.mixers.mhc import coefficient_width
 
-        bench, mc = kernels.bench("mhc"), run.mixer
+        ops, mc = bench.hooks("mhc"), run.mixer
         n, m = mc.streams, coefficient_width(mc.variant, mc.streams)
         iters = mc.sinkhorn_iters if mc.variant == "mhc" else 0
         for i in range(1, 2 * x.unrolled_layers + 1):
-            out += _named("mhc read", f"sublayer {i}", bench._mhc_read(t, n, h, m, iters))
-            out += _named("mhc post/res", f"sublayer {i}", bench._mhc_post_res(t, n, h))
+            out += _named("mhc read", f"sublayer {i}", ops._mhc_read(t, n, h, m, iters))
+            out += _named("mhc post/res", f"sublayer {i}", ops._mhc_post_res(t, n, h))
         out += _named("mhc stem/head", "stem", _elementwise(t * h, t * n * h, 0))
         out += _named("mhc stem/head", "head", _elementwise(t * n * h, t * h, t * n * h))
     elif name == "denseformer":
@@ -199,15 +200,15 @@ def mixer_step_work(run, tokens: int) -> List[Work]:
                 bwd = Work("", "", "bwd", BF16 * t * h * (1 + 2 * s), fp32_flops=4 * t * h * s)
                 out += _named("dwa", f"block {i}", (fwd, bwd))
     elif name == "ddl":
-        bench, dv = kernels.bench("ddl"), run.mixer.value_channels
+        ops, dv = bench.hooks("ddl"), run.mixer.value_channels
         for i in range(1, 2 * x.unrolled_layers + 1):
-            out += _named("ddl read", f"sublayer {i}", bench._read_work(t, h, dv))
-            out += _named("ddl update", f"sublayer {i}", bench._write_work(t, h, dv))
+            out += _named("ddl read", f"sublayer {i}", ops._read_work(t, h, dv))
+            out += _named("ddl update", f"sublayer {i}", ops._write_work(t, h, dv))
         out += _named("ddl stem/head", "stem", _elementwise(t * h, t * h * dv, 0))
         out += _named("ddl stem/head", "head", _elementwise(t * h * dv, t * h, 2 * t * h * dv))
     elif name != "vanilla":
         raise ValueError(f"no step roofline for mixer {name!r}: add its ops to "
-                         "depthmix.kernels.roofline.mixer_step_work")
+                         "depthmix.bench.roofline.mixer_step_work")
     return out
 
 

@@ -29,7 +29,7 @@ at address 0; fresh CUDA allocations are aligned too).
 
 Must run in a process without ``TRITON_INTERPRET=1`` (under it ``triton.jit`` builds
 interpreted functions that cannot be compiled): ``tools/kernel_report.py``, or
-:func:`compile_report` in a subprocess as ``tests/kernels/test_gpu_compile.py`` does.
+:func:`compile_report` in a subprocess as ``tests/bench/test_gpu_report.py`` does.
 """
 
 from __future__ import annotations
@@ -172,14 +172,14 @@ def meta(*shape, dtype=torch.bfloat16) -> torch.Tensor:
 
 def launches(ops: Sequence[str] = ()) -> List[Launch]:
     """Every distinct launch of ``ops`` (default: every kernel op) at their benchmark
-    shapes, from each op's ``bench.gpu_launches`` (first shape wins)."""
-    from depthmix import kernels
+    shapes, from each op's ``gpu_launches`` (first shape wins)."""
+    from depthmix import bench, kernels
 
     if os.environ.get("TRITON_INTERPRET") == "1":  # kernels are interpreted functions then
         raise RuntimeError("the kernel report needs a process without TRITON_INTERPRET=1")
     seen, out = set(), []
     for op in ops or kernels.ops():
-        for launch in kernels.bench(op).gpu_launches():
+        for launch in bench.hooks(op).gpu_launches():
             if launch.key() not in seen:
                 seen.add(launch.key())
                 out.append(launch)
@@ -375,7 +375,7 @@ def first_variants(ops: Sequence[str] = ()) -> Callable[[Launch, int], bool]:
     first benchmark variant (the launch lists put the heaviest first where it matters).
     Each other variant shares its tiles with a compiled one and differs in a group size,
     mixed state or head count (the default of
-    ``tests/kernels/test_gpu_compile.py``)."""
+    ``tests/bench/test_gpu_report.py``)."""
     firsts: Dict[tuple, tuple] = {}
     for launch in launches(ops):
         firsts.setdefault((launch.name, launch.config), launch.key())

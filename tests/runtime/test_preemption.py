@@ -17,7 +17,7 @@ from depthmix.checkpoint.store import latest_checkpoint, read_meta, step_dir
 
 from cli_runs import (TINY, Proc, assert_quiet_signal_stop, base_env, rank_processes,
                       sigint_at_default, torchrun)
-from ops_harness import PYTHON, REPO
+from run_harness import PYTHON, REPO
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
