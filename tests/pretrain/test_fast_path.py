@@ -64,7 +64,8 @@ def test_fused_optimizer_trains_as_the_plain_one(megatron_single, precision, rto
     assert all(g["fused"] == (kernel == "fused") and g["foreach"] == (kernel == "foreach")
                for opt in _inner(trainer) for g in opt.param_groups)
     fused = _train(trainer)
-    assert fused[1][0] == plain[1][0]  # the same gradients: the norm's arithmetic is Megatron's
+    # the same gradients: the norm's arithmetic is Megatron's, up to the fp64 order of its sum
+    assert fused[1][0] == pytest.approx(plain[1][0], rel=1e-12, abs=0)
     assert fused[0] == pytest.approx(plain[0], rel=rtol)
     assert fused[1] == pytest.approx(plain[1], rel=rtol * 10)
     assert ((fused[2] - plain[2]).norm() / plain[2].norm()).item() < rtol
