@@ -75,6 +75,12 @@ def get_mixer(name: str) -> Mixer:
     return mixers[name]
 
 
+def mixer_of(run) -> Mixer:
+    """The :class:`Mixer` of a run config (vanilla when it names none): what the layers
+    below the mixers (planning, the model, checkpoints) are handed, never look up."""
+    return get_mixer(run.mixer.name if run.mixer is not None else "vanilla")
+
+
 def has_yaml(name: str) -> bool:
     """Whether ``mixer=<name>`` is ``depthmix/configs/mixer/<name>.yaml`` (else the config
     store holds it, made from the config class: :func:`depthmix.config.store.register_configs`)."""
