@@ -76,8 +76,8 @@ def get_mixer(name: str) -> Mixer:
 
 
 def mixer_of(run) -> Mixer:
-    """The :class:`Mixer` of a run config (vanilla when it names none): what the layers
-    below the mixers (planning, the model, checkpoints) are handed, never look up."""
+    """The :class:`Mixer` of a run config (vanilla when it names none), for the layers
+    above the mixers to hand to those below (planning, the model), which never look one up."""
     return get_mixer(run.mixer.name if run.mixer is not None else "vanilla")
 
 
