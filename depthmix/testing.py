@@ -76,10 +76,11 @@ def build_model(run: RunConfig, dtype: Optional[torch.dtype] = None):
     """Build the whole model on one rank (call :func:`init_single_process` first)."""
     from depthmix.megatron_ext.config import to_transformer_config
     from depthmix.config.validate import validate
-    from depthmix.megatron_ext.model import DepthMixModel
+    from depthmix.megatron_ext.model import build_chunk
+    from depthmix.mixers import mixer_of
 
     validate(run)
-    model = DepthMixModel(to_transformer_config(run))
+    model = build_chunk(to_transformer_config(run), mixer_of(run))
     return model.to(dtype) if dtype is not None else model
 
 

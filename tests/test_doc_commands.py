@@ -184,6 +184,7 @@ def dry_run(args: List[str], world_size: Optional[int]) -> tuple:
     """(exit status, output) of ``depthmix-train <args> train.dry_run=true``, in process."""
     from depthmix.config.load import compose_run
     from depthmix.config.schema import ConfigError
+    from depthmix.mixers import mixer_of
     from depthmix.planning import dry_run as dry
     from depthmix.pretrain.preflight import preflight
 
@@ -198,7 +199,7 @@ def dry_run(args: List[str], world_size: Optional[int]) -> tuple:
         preflight(run, world_size)
     except ConfigError as e:
         return 2, f"configuration error: {e}"
-    dry.report(run, world_size, out)
+    dry.report(run, mixer_of(run), world_size, out)
     return 0, out.getvalue()
 
 

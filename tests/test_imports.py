@@ -4,7 +4,10 @@ import inside a function (such an import only moves a circle's failure to run ti
 ``config`` and ``planning`` sit below ``megatron_ext``, ``data`` and ``pretrain`` in their
 module-level imports (those under ``if``/``try``/``with`` and in class bodies count, those
 in function bodies do not), and importing them loads neither Megatron nor (``planning``)
-torch."""
+torch. With function-level imports counted: ``kernels`` is a leaf (it imports nothing of
+depthmix but itself and ``config``); below the mixers' layer nothing looks a mixer up by
+name (imports ``depthmix.mixers`` or calls ``get_mixer``) but config resolving a name: what
+a module there needs of a mixer it is handed; only tooling imports ``depthmix.bench``."""
 
 import ast
 import json
@@ -23,6 +26,15 @@ ROOT = pathlib.Path(depthmix.__file__).parent
 HELPERS = "depthmix.testing"
 LOWER = ("depthmix.config", "depthmix.planning")
 UPPER = ("depthmix.megatron_ext", "depthmix.data", "depthmix.pretrain")
+KERNELS = "depthmix.kernels"
+KERNELS_READ = ("depthmix.kernels", "depthmix.config")
+"""All ``depthmix.kernels`` may import of depthmix."""
+BELOW_MIXERS = ("depthmix.config", "depthmix.planning", "depthmix.checkpoint",
+                "depthmix.megatron_ext", "depthmix.kernels", "depthmix.data", "depthmix.runtime")
+RESOLVERS = ("depthmix.config.load", "depthmix.config.store")
+"""Config turning a mixer's name into its config class: the one lookup below the mixers."""
+MIXERS = "depthmix.mixers"
+BENCH = "depthmix.bench"
 
 
 def imported_modules(path: pathlib.Path):
@@ -78,17 +90,35 @@ def _files() -> Dict[str, pathlib.Path]:
     return {_module_name(p): p for p in ROOT.rglob("*.py")}
 
 
+def _is_main_block(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":``"""
+    test = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(test, ast.Compare)
+            and getattr(test.left, "id", None) == "__name__" and len(test.comparators) == 1
+            and getattr(test.comparators[0], "value", None) == "__main__")
+
+
+def _library(tree: ast.Module) -> ast.Module:
+    """The module without its ``if __name__ == "__main__":`` block, which runs only as the
+    program (``python -m``), above every layer: what importing it or calling it runs."""
+    tree.body = [node for node in tree.body if not _is_main_block(node)]
+    return tree
+
+
 @lru_cache(maxsize=None)
-def import_graph(in_functions: bool = False) -> Dict[str, Dict[str, int]]:
+def import_graph(in_functions: bool = False,
+                 programs: bool = True) -> Dict[str, Dict[str, int]]:
     """``{module: {imported depthmix module: line}}``, from module-level imports (and with
-    ``in_functions`` those in function bodies too). Importing ``a.b.c`` runs ``a`` and
-    ``a.b`` first: those count too, unless they enclose the importing module."""
+    ``in_functions`` those in function bodies too; without ``programs`` not those of a
+    ``__main__`` block). Importing ``a.b.c`` runs ``a`` and ``a.b`` first: those count too,
+    unless they enclose the importing module."""
     files = _files()
     graph = {}
     for module, path in files.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         edges: Dict[str, int] = {}
-        for node in _top_level_imports(ast.parse(path.read_text()), in_functions):
+        tree = ast.parse(path.read_text())
+        for node in _top_level_imports(tree if programs else _library(tree), in_functions):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             else:
@@ -224,6 +254,102 @@ def test_config_and_planning_import_nothing_above_them():
               for m in sorted(graph) if m.startswith(LOWER)]
     offending = [_describe(graph, chain) for chain in chains if chain]
     assert not offending, "imports against the layering:\n" + "\n".join(offending)
+
+
+def _within(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in
+               ([packages] if isinstance(packages, str) else packages))
+
+
+def kernel_imports_above_config(graph) -> List[str]:
+    """``module (line) -> target`` for each import of a kernel module (in ``graph``) of
+    depthmix other than the kernels' own and config's."""
+    return [f"{m} (line {line}) -> {t}" for m in sorted(graph) if _within(m, KERNELS)
+            for t, line in sorted(graph[m].items()) if not _within(t, KERNELS_READ)]
+
+
+def _calls(tree: ast.AST, name: str) -> List[int]:
+    """Lines of the calls of a function ``name`` (``name(...)`` or ``x.name(...)``)."""
+    return sorted(n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and (
+        getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name))
+
+
+def mixer_lookups_below(graph, sources: Dict[str, str]) -> List[str]:
+    """``module (line): what`` for each module below the mixers' layer (but the resolvers)
+    that imports ``depthmix.mixers`` (in ``graph``) or calls ``get_mixer`` (in its source,
+    ``sources[module]``)."""
+    out = []
+    for m in sorted(graph):
+        if not _within(m, BELOW_MIXERS) or m in RESOLVERS:
+            continue
+        out += [f"{m} (line {line}): imports {t}" for t, line in sorted(graph[m].items())
+                if _within(t, MIXERS)]
+        out += [f"{m} (line {line}): calls get_mixer"
+                for line in _calls(_library(ast.parse(sources[m])), "get_mixer")]
+    return out
+
+
+def bench_imports_outside_tooling(graph) -> List[str]:
+    return [f"{m} (line {line}) -> {t}" for m in sorted(graph) if not _within(m, BENCH)
+            for t, line in sorted(graph[m].items()) if _within(t, BENCH)]
+
+
+def _sources() -> Dict[str, str]:
+    return {m: path.read_text() for m, path in _files().items()}
+
+
+def test_the_layering_checks_flag_a_violation():
+    """Each check, fed a synthetic graph and source with one violation of its rule (and
+    an allowed import beside it), names that one."""
+    graph = {
+        "depthmix.kernels.op.reference": {"depthmix.config.schema": 3,
+                                          "depthmix.kernels.modes": 4,
+                                          "depthmix.mixers.op": 5},
+        "depthmix.planning.cost": {"depthmix.mixers": 7, "depthmix.planning.shape": 8},
+        "depthmix.config.load": {"depthmix.mixers": 9},
+        "depthmix.cli.run": {"depthmix.mixers": 1, "depthmix.bench.roofline": 2},
+        "depthmix.megatron_ext.model": {},
+        "depthmix.bench.roofline": {"depthmix.mixers": 1},
+    }
+    sources = dict.fromkeys(graph, "")
+    sources["depthmix.megatron_ext.model"] = "def f(reg):\n    return reg.get_mixer('x')\n"
+    sources["depthmix.config.load"] = "from depthmix.mixers import get_mixer\nget_mixer('x')\n"
+    sources["depthmix.planning.cost"] = "if __name__ == '__main__':\n    get_mixer('x')\n"
+    assert kernel_imports_above_config(graph) == [
+        "depthmix.kernels.op.reference (line 5) -> depthmix.mixers.op"]
+    assert mixer_lookups_below(graph, sources) == [
+        "depthmix.kernels.op.reference (line 5): imports depthmix.mixers.op",
+        "depthmix.megatron_ext.model (line 2): calls get_mixer",
+        "depthmix.planning.cost (line 7): imports depthmix.mixers"]
+    assert bench_imports_outside_tooling(graph) == [
+        "depthmix.cli.run (line 2) -> depthmix.bench.roofline"]
+    # a function-level import is an edge of the graph these checks read; a program's
+    # __main__ block is not (without ``programs``)
+    tree = ast.parse("def f():\n    from depthmix.mixers import get_mixer\n"
+                     "if __name__ == '__main__':\n    import depthmix.mixers\n")
+    assert [n.module for n in _top_level_imports(_library(tree), in_functions=True)] == [
+        "depthmix.mixers"]
+
+
+def test_kernels_import_nothing_of_depthmix_above_config():
+    """``depthmix.kernels`` knows tensors, shapes and its own constants (``kernels/modes.py``:
+    the option values the mixers offer), never a mixer, the model or a benchmark."""
+    offending = kernel_imports_above_config(import_graph(in_functions=True))
+    assert not offending, "kernels importing above config:\n" + "\n".join(offending)
+
+
+def test_nothing_below_the_mixers_looks_a_mixer_up():
+    """Planning, checkpoint, the model, kernels, data and the runtime are handed the
+    ``Mixer`` (or its model spec and plan); only config resolves a name. A ``__main__``
+    block is a program, above every layer (``python -m depthmix.planning.calibration``)."""
+    graph = import_graph(in_functions=True, programs=False)
+    offending = mixer_lookups_below(graph, _sources())
+    assert not offending, "mixer lookups below the mixers' layer:\n" + "\n".join(offending)
+
+
+def test_only_tooling_imports_bench():
+    offending = bench_imports_outside_tooling(import_graph(in_functions=True))
+    assert not offending, "depthmix.bench imported outside it:\n" + "\n".join(offending)
 
 
 # ---------------------------------------------------------------------------------------

@@ -204,7 +204,8 @@ def main():
         n = sum(p.numel() for p in trainer.model[0].parameters())
         tokens_per_s = args.micro_batch * trainer.run.model.seq_length / t
         # the trainer's own count (depthmix.planning.flops): what its log line's MFU reads
-        tflops = flops_per_token(trainer.run, trainer.config)["train"] * tokens_per_s / 1e12
+        flops = flops_per_token(trainer.run, trainer.mixer, trainer.config)["train"]
+        tflops = flops * tokens_per_s / 1e12
         mfu = f"{tflops / peak:>7.1%}" if peak else f"{'-':>7}"
         line = (f"{name:<16}{impl:<10}{t * 1e3:>10.1f}{t / base:>8.3f}{t / same:>9.3f}"
                 f"{tokens_per_s:>10,.0f}{mfu}{n:>13,}{n - vanilla_params:>11,}")

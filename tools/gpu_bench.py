@@ -17,11 +17,11 @@ that runs it. The parts:
   ``compiled`` (``true``) and ``compiled+graphs`` (and ``train.cuda_graphs=true``); one
   ``1p5b`` row with ``train.fused_cross_entropy=false train.fused_optimizer=false``. A
   fast-path option this checkout lacks is recorded, and rows that need it are skipped.
-* ``mixers``: every mixer x ``mixer.impl`` torch/triton (triton only where the mixer has
-  kernels) x eager/compiled at vanilla's best setting (the ``1p5b`` row with the most
-  tokens/s: its micro-batch and fast paths) at ``--mixer-layers`` (12: a compiled
-  non-uniform stack compiles one body per layer) with a vanilla row of each mode beside
-  them, each mixer row carrying its extra roofline floor
+* ``mixers``: every mixer of the registry (:func:`registered_mixers`) x ``mixer.impl``
+  torch/triton (triton only where the mixer has kernels) x eager/compiled at vanilla's best
+  setting (the ``1p5b`` row with the most tokens/s: its micro-batch and fast paths) at
+  ``--mixer-layers`` (12: a compiled non-uniform stack compiles one body per layer) with a
+  vanilla row of each mode beside them, each mixer row carrying its extra roofline floor
   (:func:`depthmix.bench.roofline.step_extra_floor`) and whether
   ``step <= vanilla + 1.5 x extra floor``; Hugging Face's Qwen3 (SDPA) eager and compiled
   (regional, as ours) against our vanilla model, forward + backward at the same shape.
@@ -50,7 +50,7 @@ with ``carry [".whl"]``::
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; \\
     PYTHONUNBUFFERED=1 python3 tools/gpu_bench.py --part all
 
-Here: ``python tools/gpu_bench.py --smoke`` (tiny shapes, 1-2 steps, a couple of mixers;
+Here: ``python tools/gpu_bench.py --smoke`` (tiny shapes, 1-2 steps, every mixer eager;
 what ``tests/tools/test_gpu_bench.py`` runs). Then ``tools/gpu_tables.py`` turns the run
 file into the tables of docs/benchmarks.md.
 """
@@ -85,7 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None,
                    help="folder of the run file and its log (default $OUT, else gpu-run)")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny shapes, 1-2 steps, a couple of mixers (the CPU test)")
+                   help="tiny shapes, 1-2 steps, every mixer eager (the CPU test)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="seconds for the whole call (0: no limit)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (4; smoke 1)")
@@ -113,7 +113,9 @@ from depthmix.planning import gpu_runs  # noqa: E402
 
 GIB = 2 ** 30
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MIXERS = ("depth_attn", "moda", "attnres_full", "attnres_block", "mhc", "denseformer", "ddl")
+SMOKE_TRITON = ("depth_attn", "ddl")
+"""The mixers whose Triton rows the smoke run has (Triton's CPU interpreter is slow); it
+runs every mixer's torch rows."""
 KERNEL_MIXERS_SMOKE = ("depth_attn",)
 FAST_PATHS = {"train.compile": "auto", "train.cuda_graphs": "false",
               "train.fused_cross_entropy": "auto", "train.fused_optimizer": "auto"}
@@ -409,11 +411,12 @@ def compose(shape: Shape, mixer: str, impl: Optional[str], settings: dict, optio
 
 def fits(run, env: dict) -> Optional[str]:
     """None, or why the memory model says ``run`` does not fit this GPU."""
+    from depthmix.mixers import mixer_of
     from depthmix.planning import memory
 
     if not env.get("memory_gib"):
         return None
-    need = max(r.total_bytes for r in memory.estimate(run, 1)) / GIB
+    need = max(r.total_bytes for r in memory.estimate(run, mixer_of(run), 1)) / GIB
     budget = env["memory_gib"] - memory.RESERVE_GIB
     if need > budget:
         return f"does not fit: the memory model needs {need:.1f} GiB of {budget:.1f} GiB"
@@ -486,7 +489,7 @@ def measure_step(run, overrides: List[str], mode: str, settings: dict, steps: in
     t = statistics.median(times)
     m = run.model
     tokens = run.train.global_batch_size * m.seq_length
-    f = flops_per_token(run, trainer.config)
+    f = flops_per_token(run, trainer.mixer, trainer.config)
     causal = f["train"] - 3 * f["attention"] / 2
     peak_tflops = device_peak_tflops(run, torch.cuda.get_device_name() if cuda else None)
     tflops = f["train"] * tokens / t / 1e12
@@ -529,6 +532,14 @@ def measure_step(run, overrides: List[str], mode: str, settings: dict, steps: in
 # ---------------------------------------------------------------------------------------
 
 
+def registered_mixers() -> List[str]:
+    """Every mixer of the registry but vanilla (a mixer folder on ``DEPTHMIX_MIXER_PATH``
+    too): the mixers of both matrices."""
+    from depthmix.mixers import available
+
+    return [name for name in available() if name != "vanilla"]
+
+
 class Matrix:
     """The fixed matrix of a GPU run, or of the smoke run."""
 
@@ -542,7 +553,7 @@ class Matrix:
             self.seq = 64
             self.micro_batches = [1, 2]  # compiled rows left out: inductor takes a minute here
             self.vanilla_modes = {1: ["eager", "compiled+graphs"], 2: ["eager"]}
-            self.mixers = ("depth_attn", "ddl")
+            self.mixers = registered_mixers()
             self.mixer_modes = ["eager"]
             self.mixer_shape = ("tiny", 4)
         else:
@@ -551,7 +562,7 @@ class Matrix:
             self.micro_batches = [1, 2, 4, 8]
             modes = ["eager", "compiled", "compiled+graphs"]
             self.vanilla_modes = {mb: modes for mb in self.micro_batches}
-            self.mixers = MIXERS
+            self.mixers = registered_mixers()
             self.mixer_modes = ["eager", "compiled"]
             self.mixer_shape = ("1p5b", args.mixer_layers)
         self.model_options = ()
@@ -612,6 +623,19 @@ def best_vanilla(doc: dict, preset: Optional[str] = None) -> Optional[dict]:
     return max(rows, key=lambda r: r["tokens_per_s"]) if rows else None
 
 
+def mixer_rows(mx: Matrix, modes: List[str]) -> List[tuple]:
+    """``(mixer, impl, mode)`` of the mixers part, in the order they run: every mixer x
+    torch/triton x ``modes`` (the smoke run's Triton rows: :data:`SMOKE_TRITON` only); on
+    a GPU the eager rows of every mixer first, then the compiled ones."""
+    order = [(m, i, mode) for mode in modes for i in ("torch", "triton") for m in mx.mixers
+             if i == "torch" or not mx.smoke or m in SMOKE_TRITON]
+    if not mx.smoke:
+        order = ([o for o in order if o[2] == "eager"]
+                 + [o for o in order if o[2] != "eager" and o[1] == "triton"]
+                 + [o for o in order if o[2] != "eager" and o[1] == "torch"])
+    return order
+
+
 def run_mixers(rf: RunFile, mx: Matrix, env: dict, options: dict):
     from depthmix.bench.roofline import step_extra_floor
     from depthmix.mixers import get_mixer
@@ -661,12 +685,7 @@ def run_mixers(rf: RunFile, mx: Matrix, env: dict, options: dict):
             "eager", "compiled") else None
         rf.row("mixers", f"mixers/vanilla/torch/{mode}", mode, step("vanilla", None, mode,
                                                                     after))
-    order = [(m, i, mode) for mode in modes for i in ("torch", "triton") for m in mx.mixers]
-    if not mx.smoke:  # the eager rows of every mixer first, then the compiled ones
-        order = ([o for o in order if o[2] == "eager"]
-                 + [o for o in order if o[2] != "eager" and o[1] == "triton"]
-                 + [o for o in order if o[2] != "eager" and o[1] == "torch"])
-    for mixer, impl, mode in order:
+    for mixer, impl, mode in mixer_rows(mx, modes):
         row_id = f"mixers/{mixer}/{impl}/{mode}"
         if impl == "triton" and not get_mixer(mixer).kernels:
             if rf.wanted(row_id):
@@ -762,7 +781,7 @@ def run_kernels(rf: RunFile, mx: Matrix, env: dict) -> None:
         if shape and device is not None:
             t, g, hd, depth, heads = (int(x) if x else None for x in shape.groups())
             heads = heads or moda.NUM_HEADS
-            floor = sum(w.floor(device)[0] for w in moda._work(t, heads, g, hd, depth)) * 1e3
+            floor = sum(w.floor(device)[0] for w in moda.work(t, heads, g, hd, depth)) * 1e3
             if hasattr(moda, "depth_floor"):
                 dtype = torch.float32 if label.endswith("fp32") else torch.bfloat16
                 depth_floor = moda.depth_floor(moda.Shape(t, heads, g, hd, depth, dtype),
@@ -794,7 +813,7 @@ def run_checks(rf: RunFile, mx: Matrix, options: dict) -> None:
     from depthmix.mixers import get_mixer
 
     rf.row("checks", "checks/async_resume", "check", lambda: async_resume(mx, options))
-    for mixer in (KERNEL_MIXERS_SMOKE if mx.smoke else MIXERS):
+    for mixer in (KERNEL_MIXERS_SMOKE if mx.smoke else mx.mixers):
         row_id = f"checks/triton_vs_torch/{mixer}"
         if not get_mixer(mixer).kernels:
             continue

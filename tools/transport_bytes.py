@@ -28,7 +28,7 @@ def main():
     from depthmix.config.load import compose_run
     from depthmix.megatron_ext.config import to_transformer_config
     from depthmix.planning.pipeline import PipelineLayout, geometry_of
-    from depthmix.mixers import available
+    from depthmix.mixers import available, get_mixer
 
     names = available() if args.mixers == "all" else args.mixers.split(",")
     print(f"model={args.model} tp={args.tp} pp={args.pp} vp={args.vp} sp={args.sp} "
@@ -45,7 +45,7 @@ def main():
         run = compose_run(*overrides)
         config = to_transformer_config(run)
         layout = PipelineLayout(config.num_layers, args.pp, args.vp or 1)
-        geo = geometry_of(config, layout, args.tp)
+        geo = geometry_of(get_mixer(name).plan, config, layout, args.tp)
         mib = 2**20
         cells, total = [], 0
         for c in range(1, layout.num_chunks):

@@ -139,7 +139,7 @@ def cases(smoke: bool) -> list:
 # ---------------------------------------------------------------------------------------
 
 
-def _work(t: int, d: int, s: int) -> tuple:
+def work(t: int, d: int, s: int) -> tuple:
     """Per source and token: sum of squares and the query dot (``4d``), the online
     accumulation (``3d``); the output normalisation ``d`` per token. Backward per source:
     the pre-norm output again (``2d``), ``y . dout`` (``2d``), ``dy`` (``5d``), the query
@@ -159,7 +159,7 @@ def _work(t: int, d: int, s: int) -> tuple:
 def roofline_work() -> list:
     """Forward and backward :class:`Work` of every full shape."""
     return label_pairs([(f"{x.kind} T{x.t}-S{x.sources}-h{x.hidden}",
-                         _work(x.t, x.hidden, x.sources)) for x in shapes(smoke=False)])
+                         work(x.t, x.hidden, x.sources)) for x in shapes(smoke=False)])
 
 
 def gpu_launches() -> list:

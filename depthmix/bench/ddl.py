@@ -105,7 +105,7 @@ def cases(smoke: bool) -> list:
 # ---------------------------------------------------------------------------------------
 
 
-def _read_work(t: int, h: int, dv: int) -> tuple:
+def read_work(t: int, h: int, dv: int) -> tuple:
     """``X r``: reads ``X``, writes ``x_in`` (``2 h d_v`` FLOPs a token); backward reads
     ``X`` and ``dx_in``, writes ``dX`` (``dX = dx_in r^T``, ``dr = sum X dx_in``:
     ``3 h d_v``)."""
@@ -114,7 +114,7 @@ def _read_work(t: int, h: int, dv: int) -> tuple:
             Work("ddl", "", "bwd", 2 * state + row, fp32_flops=3 * t * h * dv))
 
 
-def _write_work(t: int, h: int, dv: int) -> tuple:
+def write_work(t: int, h: int, dv: int) -> tuple:
     """The delta update. Forward per token: ``||y||^2``, ``||x_in||^2``, ``w . x_in``
     (``2 h`` each), ``W_v x_in`` and ``y^T X`` (``2 h d_v`` each), ``X + k delta^T``
     (``3 h d_v``); bytes ``X``, ``y``, ``x_in``, the parameters -> ``X'`` and ``6 + 3 d_v``
@@ -139,8 +139,8 @@ def roofline_work() -> list:
     out = []
     for x in shapes(smoke=False):
         label = f"T{x.t}-h{x.hidden}-dv{x.dv}"
-        out += [(f"read {label}", _read_work(x.t, x.hidden, x.dv)),
-                (f"write {label}", _write_work(x.t, x.hidden, x.dv))]
+        out += [(f"read {label}", read_work(x.t, x.hidden, x.dv)),
+                (f"write {label}", write_work(x.t, x.hidden, x.dv))]
     return label_pairs(out)
 
 

@@ -111,7 +111,7 @@ def cases(smoke: bool) -> list:
 # ---------------------------------------------------------------------------------------
 
 
-def _work(t: int, heads: int, g: int, d: int, s: int) -> tuple:
+def work(t: int, heads: int, g: int, d: int, s: int) -> tuple:
     """Per token and KV head (``ng = heads / G``), ``S`` sources plus the layer itself:
     group mean of ``G`` query heads (``(G + 1) d``), ``S + 1`` scores (``2d`` each) and
     softmax (5 each), the weighted value sum (``2d`` each) and its normalisation (``d``).
@@ -133,7 +133,7 @@ def roofline_work() -> list:
     """Forward and backward :class:`Work` of every full shape (``mix_rule=softmax``,
     ``mixed_state=value``)."""
     return label_pairs([(f"T{x.t}-G{x.g}-hd{x.head_dim}",
-                         _work(x.t, x.heads, x.g, x.head_dim, x.sources))
+                         work(x.t, x.heads, x.g, x.head_dim, x.sources))
                         for x in shapes(smoke=False)])
 
 

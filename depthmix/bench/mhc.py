@@ -164,7 +164,7 @@ def _sinkhorn(t: int, n: int, iters: int) -> tuple:
             Work("mhc", "", "bwd", 3 * mat, fp32_flops=t * bwd_flops))
 
 
-def _mhc_read(t: int, n: int, h: int, m: int, iters: int) -> tuple:
+def read_work(t: int, n: int, h: int, m: int, iters: int) -> tuple:
     """Tensor (``tf32x3``): the projection ``X phi`` (``2 n h m`` per token) forward,
     ``dd phi^T`` and ``X^T dd`` backward. fp32 per token: sum of squares and ``H_pre X``
     (``2 n h`` each), about 10 per coefficient, Sinkhorn (:func:`_sinkhorn_flops`);
@@ -186,7 +186,7 @@ def _mhc_read(t: int, n: int, h: int, m: int, iters: int) -> tuple:
     return fwd, bwd
 
 
-def _mhc_post_res(t: int, n: int, h: int) -> tuple:
+def post_res_work(t: int, n: int, h: int) -> tuple:
     """``X' = H_res X + H_post^T y``: ``2 (n + 1)`` FLOPs per output element; backward
     ``dy``, ``dX``, ``dH_post``, ``dH_res``: ``4 n (n + 1) h`` per token. Bytes: streams,
     ``y`` (bf16), fp32 coefficients -> new streams; backward those and the stream gradient
@@ -209,8 +209,8 @@ def roofline_work() -> list:
         label = f"T{x.t}-n{x.streams}-h{x.hidden}"
         out += [(f"sinkhorn T{x.t}-n{x.streams}-it{ITERS}",
                  _sinkhorn(x.t, x.streams, ITERS)),
-                (f"read {label}", _mhc_read(x.t, x.streams, x.hidden, m, ITERS)),
-                (f"post_res {label}", _mhc_post_res(x.t, x.streams, x.hidden))]
+                (f"read {label}", read_work(x.t, x.streams, x.hidden, m, ITERS)),
+                (f"post_res {label}", post_res_work(x.t, x.streams, x.hidden))]
     return label_pairs(out)
 
 

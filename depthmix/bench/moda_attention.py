@@ -178,7 +178,7 @@ def cases(smoke: bool) -> list:
 # ---------------------------------------------------------------------------------------
 
 
-def _work(t: int, heads: int, g: int, d: int, depth: int) -> tuple:
+def work(t: int, heads: int, g: int, d: int, depth: int) -> tuple:
     """Scores a query row sees: ``(T + 1) / 2`` causal keys on average plus its ``D`` depth
     entries; useful pairs ``P = heads (T (T + 1) / 2 + T D)`` (masked and padded tile
     entries are not counted). Tensor FLOPs: ``QK^T`` and ``PV`` forward (``4 d P``); five
@@ -197,6 +197,14 @@ def _work(t: int, heads: int, g: int, d: int, depth: int) -> tuple:
     bwd = Work("moda_attention", "", "bwd", 3 * qo + kv + lse + qo + kv,
                tensor_flops=10 * d * pairs, fp32_flops=5 * pairs + 2 * t * heads * d)
     return fwd, bwd
+
+
+def depth_work(t: int, heads: int, g: int, d: int, depth: int) -> tuple:
+    """What ``depth`` entries add to the plain causal attention vanilla runs: :func:`work`
+    with them less :func:`work` without (a MoDA layer's share of the step floor)."""
+    return tuple(Work(a.op, a.case, a.direction, a.bytes - b.bytes,
+                      a.tensor_flops - b.tensor_flops, a.fp32_flops - b.fp32_flops, a.precision)
+                 for a, b in zip(work(t, heads, g, d, depth), work(t, heads, g, d, 0)))
 
 
 def depth_bytes(t: int, heads: int, g: int, d: int, depth: int, elem: int = BF16) -> tuple:
@@ -232,7 +240,7 @@ def roofline_work() -> list:
     full = [(f"T{x.t}-G{x.g}-hd{x.head_dim}-D{x.depth}", x) for x in shapes(False)]
     full += [(f"paper row {row[0]}: T{x.t}-G{x.g}-hd{x.head_dim}-D{x.depth}-np{x.heads}", x)
              for row, x in zip(PAPER_ROWS, paper_shapes())]
-    return label_pairs([(label, _work(x.t, x.heads, x.g, x.head_dim, x.depth))
+    return label_pairs([(label, work(x.t, x.heads, x.g, x.head_dim, x.depth))
                         for label, x in full])
 
 

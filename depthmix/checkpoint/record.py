@@ -75,18 +75,13 @@ def listed(lines: List[str]) -> str:
 
 def run_from_record(rec: Dict[str, Any], **mixer_overrides) -> RunConfig:
     """A :class:`RunConfig` with the checkpoint's model, mixer and precision (everything
-    else default: single rank, TP=PP=1). ``mixer_overrides`` e.g. ``impl="torch"``."""
-    from depthmix.kernels.dispatch import resolve_impl
-    from depthmix.mixers import get_mixer
+    else default: single rank, TP=PP=1). ``mixer_overrides`` e.g. ``impl="torch"``. The
+    record names its mixer; the config resolves that name
+    (:func:`~depthmix.config.load.saved_mixer`)."""
+    from depthmix.config.load import saved_mixer
 
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     run = RunConfig(model=ModelConfig(**{k: v for k, v in rec["model"].items() if k in known}))
-    mixer = get_mixer(rec["mixer"]["name"])
-    fields = {f.name for f in dataclasses.fields(mixer.config_cls)}
-    options = {k: v for k, v in rec["mixer"].items() if k in fields}
-    options.update(mixer_overrides)
-    run.mixer = mixer.config_cls(**options)
-    run.mixer.resolve(run.model)
-    run.mixer.impl, _ = resolve_impl(run.mixer.impl)
+    run.mixer = saved_mixer(rec["mixer"], run.model, **mixer_overrides)
     run.train.precision = rec["precision"]
     return run

@@ -29,7 +29,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="bytes per activation element (default 2: fp16/bf16)")
     args = parser.parse_args(argv)
 
-    from depthmix.mixers import available
+    from depthmix.mixers import available, get_mixer
 
     names = available() if args.mixers == "all" else args.mixers.split(",")
     for name in names:
@@ -39,8 +39,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     overrides = list(args.overrides)
     if not any(o.startswith(("parallel.pp=", "parallel=")) for o in overrides):
         overrides.append("parallel.pp=4")
-    rows = [table.overheads(compose_run(*overrides, f"mixer={name}"), args.prefill,
-                            args.element_size) for name in names]
+    rows = [table.overheads(compose_run(*overrides, f"mixer={name}"), get_mixer(name),
+                            args.prefill, args.element_size) for name in names]
     model = next((o for o in overrides if o.startswith("model=")), "model=tiny")
     print(f"extra cost over the vanilla decoder, {model}, {args.element_size}-byte activations; "
           f"FLOPs forward (2 per multiply-add); pipeline bytes per micro-batch of one sequence")

@@ -103,11 +103,12 @@ def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None) -> 
         print(help_text(), file=out)
         return
     cluster, rest = split_argv(argv)
+    from depthmix.mixers import mixer_of
     from depthmix.planning import plan_report, planner
 
     run = compose(rest)
     try:
-        plan_report.report(run, cluster, rest, out=out)
+        plan_report.report(run, mixer_of(run), cluster, rest, out=out)
     except planner.NoFit as e:  # no layout fits: the configuration asks too much
         raise ConfigError(str(e)) from None
 

@@ -127,12 +127,13 @@ def dry_run(run: RunConfig, world_size: Optional[int] = None,
     """``train.dry_run=true``: every start-up check, then the plan
     (:mod:`depthmix.planning.dry_run`); nothing is built."""
     out = out or sys.stdout
+    from depthmix.mixers import mixer_of
     from depthmix.planning import dry_run as plan
     from depthmix.pretrain.preflight import preflight
 
     world_size = plan.world_size_of(run) if world_size is None else world_size
     preflight(run, world_size)
-    plan.report(run, world_size, out)
+    plan.report(run, mixer_of(run), world_size, out)
     print(f"dry run OK for world size {world_size}", file=out, flush=True)
     return exit_codes.OK
 

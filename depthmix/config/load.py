@@ -77,6 +77,24 @@ def resolve(cfg: DictConfig) -> RunConfig:
                      name=None if name is None else str(name), **groups)
 
 
+def saved_mixer(options: dict, model: ModelConfig, **overrides):
+    """The typed mixer config of ``options`` as a checkpoint record saved them: the config
+    class of the mixer ``options["name"]``, the options that class still has, then
+    ``overrides`` (e.g. ``impl="torch"``), resolved against ``model`` and its ``impl``
+    resolved, as :func:`resolve` does."""
+    from depthmix.kernels.dispatch import resolve_impl
+    from depthmix.mixers import get_mixer
+
+    config_cls = get_mixer(options["name"]).config_cls
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    kept = {k: v for k, v in options.items() if k in fields}
+    kept.update(overrides)
+    mixer = config_cls(**kept)
+    mixer.resolve(model)
+    mixer.impl, _ = resolve_impl(mixer.impl)
+    return mixer
+
+
 def compose_run(*overrides: str, config_name: str = "config") -> RunConfig:
     """Compose ``depthmix/configs`` with command-line style overrides (tests, tools)."""
     from hydra import compose, initialize_config_module

@@ -20,6 +20,7 @@ from typing import List
 from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.config.schema import RunConfig
 from depthmix.evaluate.windows import microbatches, steps
+from depthmix.mixers import mixer_of
 from depthmix.checkpoint.distributed import load
 from depthmix.pretrain.parallelize import build_chunks, init_distributed
 from depthmix.pretrain.step import eval_step
@@ -62,7 +63,7 @@ class Evaluator:
         self.topo = init_distributed(run)
         self.config = to_transformer_config(run)
         self.config.perform_initialization = False  # every weight comes from the checkpoint
-        self.model = build_chunks(run, self.config, self.topo)
+        self.model = build_chunks(run, mixer_of(run), self.config, self.topo)
         self.meta = load(checkpoint, run=run, model=self.model, topo=self.topo,
                          weights_only=True).meta
 

@@ -192,7 +192,8 @@ def _write_checkpoint(job: ImportJob) -> str:
     from depthmix.hf.names import HF_EMBEDDING, HF_OUTPUT
     from depthmix.hf.weights import from_hf
     from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.megatron_ext.model import DepthMixModel
+    from depthmix.megatron_ext.model import build_chunk
+    from depthmix.mixers import mixer_of
     from depthmix.pretrain.parallelize import destroy_distributed, init_distributed
 
     run = run_config(job.model, job.precision)
@@ -201,7 +202,7 @@ def _write_checkpoint(job: ImportJob) -> str:
     try:
         config = to_transformer_config(run)
         config.perform_initialization = False  # every weight is overwritten below
-        model = DepthMixModel(config)
+        model = build_chunk(config, mixer_of(run))
         dtype = config.params_dtype
         model.to(dtype)  # as Float16Module does for bf16/fp16 training
         opened: Dict[str, object] = {}

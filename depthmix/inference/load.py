@@ -56,7 +56,8 @@ def load_model(path: str, impl: str = "torch", dtype: Optional[torch.dtype] = No
     """
     from depthmix.checkpoint.distributed import load_whole_model
     from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.megatron_ext.model import DepthMixModel
+    from depthmix.megatron_ext.model import build_chunk
+    from depthmix.mixers import mixer_of
     from depthmix.pretrain.parallelize import init_distributed
 
     found = find_checkpoint(path, option)
@@ -65,7 +66,7 @@ def load_model(path: str, impl: str = "torch", dtype: Optional[torch.dtype] = No
     init_distributed(run)
     config = to_transformer_config(run)
     config.perform_initialization = False  # every weight comes from the checkpoint
-    model = DepthMixModel(config)
+    model = build_chunk(config, mixer_of(run))
     if device is not None:
         model.to(device)
     elif torch.cuda.is_available():

@@ -23,10 +23,10 @@ from typing import Iterable, Tuple
 
 import torch
 
-from depthmix.mixers.base import IMPLS
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import check_choice
 from depthmix.kernels._common import interpreting
+from depthmix.kernels.modes import IMPLS
 
 log = logging.getLogger(__name__)
 

@@ -3,13 +3,15 @@
 One ``DepthMixModel`` is one pipeline chunk (Megatron's convention): the first chunk
 embeds tokens and builds the initial depth state, middle chunks receive it through the
 pipeline transport, the last chunk reads the final hidden state and computes the loss.
+It is built from what its mixer hands it (Megatron's layer spec): the model spec and the
+depth plan; :func:`build_chunk` takes both, and the bind hook, from a ``Mixer``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -160,24 +162,19 @@ class DepthMixModel(LanguageModule):
 
     Args:
         config: :class:`~depthmix.megatron_ext.config.DepthMixConfig`.
-        submodules: the mixer's model spec; defaults to the one registered for
-            ``config.mixer.name``.
+        submodules: the mixer's model spec (``Mixer.model_spec(config)``).
+        plan: the mixer's depth plan, ``(config, tp) -> [Entry]`` (``Mixer.plan``).
         pre_process / post_process: whether this chunk embeds / computes the loss.
         vp_stage: virtual pipeline stage of this chunk (None without interleaving).
         cache: per-rank depth-state cache shared by this rank's chunks.
     """
 
-    def __init__(self, config, submodules: Optional[DepthMixModelSubmodules] = None,
+    def __init__(self, config, submodules: DepthMixModelSubmodules, plan: Callable,
                  pre_process: bool = True, post_process: bool = True,
                  vp_stage: Optional[int] = None, cache: Optional[DepthStateCache] = None,
                  pg_collection=None):
         super().__init__(config=config, pg_collection=pg_collection)
-        from depthmix.mixers import get_mixer
-
         self.model_type = ModelType.encoder_or_decoder
-        mixer = get_mixer(config.mixer.name)
-        if submodules is None:
-            submodules = mixer.model_spec(config)
         self.pre_process, self.post_process = pre_process, post_process
         self.vp_stage = vp_stage
         self.share_embeddings_and_output_weights = config.tie_embeddings
@@ -191,7 +188,7 @@ class DepthMixModel(LanguageModule):
         vp = config.virtual_pipeline_model_parallel_size or 1
         self.layout = PipelineLayout(config.num_layers, pp, vp)
         self.chunk = self.layout.chunk(pp_rank, vp_stage or 0)
-        self.geometry = geometry_of(config, self.layout, tp)
+        self.geometry = geometry_of(plan, config, self.layout, tp)
         self.plan = self.geometry.plan
         if cache is None:  # not ``cache or ...``: an empty cache has len() 0
             cache = DepthStateCache()
@@ -233,8 +230,6 @@ class DepthMixModel(LanguageModule):
             # over the embedding group here, and its gradient in finalize_model_grads
             self.setup_embeddings_and_output_layer()
         self.input_tensor = None
-        if mixer.bind is not None:
-            mixer.bind(self)
 
     def reset_depth_cache(self) -> None:
         """Drop the depth state this rank cached for its later chunks (one cache shared
@@ -286,6 +281,16 @@ class DepthMixModel(LanguageModule):
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)  # [b, s]
+
+
+def build_chunk(config, mixer, **chunk) -> DepthMixModel:
+    """One chunk of the model of ``mixer`` (a :class:`~depthmix.mixers.base.Mixer`, handed
+    down by the caller): built from its model spec and plan, then given to its ``bind``
+    hook. ``chunk``: :class:`DepthMixModel`'s other arguments."""
+    model = DepthMixModel(config, mixer.model_spec(config), mixer.plan, **chunk)
+    if mixer.bind is not None:
+        mixer.bind(model)
+    return model
 
 
 def unwrap(module) -> DepthMixModel:

@@ -75,6 +75,12 @@ def get_mixer(name: str) -> Mixer:
     return mixers[name]
 
 
+def mixer_of(run) -> Mixer:
+    """The :class:`Mixer` of a run config (vanilla when it names none), for the layers
+    above the mixers to hand to those below (planning, the model), which never look one up."""
+    return get_mixer(run.mixer.name if run.mixer is not None else "vanilla")
+
+
 def has_yaml(name: str) -> bool:
     """Whether ``mixer=<name>`` is ``depthmix/configs/mixer/<name>.yaml`` (else the config
     store holds it, made from the config class: :func:`depthmix.config.store.register_configs`)."""

@@ -13,9 +13,8 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Tuple
 
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import check_choice
+from depthmix.kernels.modes import IMPLS
 from depthmix.planning.depth_plan import HIDDEN, STEM, Entry
-
-IMPLS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -92,6 +91,24 @@ class SavedActivations:
 
 
 NO_SAVED = SavedActivations()
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One op call a mixer adds to the vanilla training step, for the roofline's step floor
+    (``depthmix.bench.roofline.step_extra_floor``), which counts it forward and backward."""
+
+    label: str
+    """Its row in the step floor: the calls of one label are summed (``depth_mix``,
+    ``mhc read``)."""
+    case: str
+    """Which call: ``layer 3``, ``sublayer 5``, ``head``."""
+    counter: str
+    """What counts its bytes and FLOPs: ``<op>.<function>``, a function of the kernel op's
+    benchmark module ``depthmix/bench/<op>.py`` (``depth_mix.work``), or ``gemm`` /
+    ``elementwise`` (``depthmix.bench.roofline``)."""
+    args: Tuple = ()
+    """The counter's shape arguments."""
 
 
 CHECKS = ("decode", "recompute", "transport", "accounting", "generate", "parity", "kernels")
@@ -201,12 +218,24 @@ class Mixer:
     whose modules need each other (AttnRes' two-phase inference reads a whole block's
     pseudo-queries at once). None: nothing to bind. Give it with :func:`model_hook` so
     the model code is imported only when a model is built."""
+    step_work: Callable = lambda config, tokens: ()
+    """``(DepthMixConfig, tokens) -> [OpCall]``: every op call the method adds to the
+    vanilla training step, for a micro-batch of ``tokens`` tokens at the model's shapes
+    (bf16 activations), in the order they run. Empty: nothing beyond vanilla. The roofline
+    turns them into its step floor, the least time they can add on a GPU (what
+    ``tools/gpu_bench.py`` sets beside each mixer's measured step)."""
     kernels: Tuple[str, ...] = ()
     """The kernel ops (``depthmix/kernels/<op>/``) its modules pick with
     ``dispatch.select``."""
     variants: Tuple[Variant, ...] = (Variant(),)
     """The option sets the shared test matrices run it at; together they cover every
     check of :data:`CHECKS` (the registry says which one is missing)."""
+
+    def state_per_token(self, config) -> float:
+        """``extra_state_per_token``, or the plan-derived default."""
+        if self.extra_state_per_token is not None:
+            return float(self.extra_state_per_token(config))
+        return float(plan_state_per_token(config, self.plan(config, 1)))
 
 
 def model_hook(package: str, function: str) -> Callable:
@@ -243,10 +272,3 @@ def plan_state_per_token(config, plan_entries) -> int:
     most = max(sum(prod(e.shape) for e in plan.live_at(b))
                for b in range(config.unrolled_layers + 1))
     return most - config.hidden_size
-
-
-def state_per_token(mixer: Mixer, config) -> float:
-    """The mixer's ``extra_state_per_token``, or the plan-derived default."""
-    if mixer.extra_state_per_token is not None:
-        return float(mixer.extra_state_per_token(config))
-    return float(plan_state_per_token(config, mixer.plan(config, 1)))

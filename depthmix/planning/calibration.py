@@ -109,6 +109,7 @@ class Comparison:
     row: Row
     chosen: object  # planner.Candidate
     published: Optional[object]  # the published layout's fastest fitting candidate
+    mixer: object  # the vanilla Mixer the rows are planned with
 
     @property
     def ratio(self) -> float:
@@ -127,7 +128,8 @@ class Comparison:
 
         run = compose_run(*self.row.overrides())
         kind = self.row.cluster().kind()
-        tflops = flops_per_token(run)["train"] * candidate.tokens_per_s / self.row.gpus
+        flops = flops_per_token(run, self.mixer)["train"]
+        tflops = flops * candidate.tokens_per_s / self.row.gpus
         return tflops / (kind.peak_tflops * 1e12)
 
 
@@ -136,8 +138,9 @@ def _matches(lay, row: Row) -> bool:
             and row.micro_batch in (None, lay.micro_batch))
 
 
-def compare(row: Row) -> Comparison:
-    """The planner's choice and the published layout's fastest fitting candidate. For a
+def compare(row: Row, vanilla) -> Comparison:
+    """The planner's choice and the published layout's fastest fitting candidate
+    (``vanilla``: the vanilla :class:`~depthmix.mixers.base.Mixer`, the rows' models). For a
     Transformer Engine + FP8 row the memory model does not apply (it counts the PyTorch
     attention's saved tensors): the published layout is taken to fit as published (no
     recomputation), and so is every layout that needs no more memory."""
@@ -148,21 +151,21 @@ def compare(row: Row) -> Comparison:
     budget = (cluster.kind().memory_gib - cluster.reserve_gib) * GIB
     if row.fp8:
         cluster.memory_gib = 1e6
-    fitting, _ = planner.plan(compose_run(*row.overrides()), cluster)
+    fitting, _ = planner.plan(compose_run(*row.overrides()), vanilla, cluster)
     if row.fp8:
         as_run = [c for c in fitting if _matches(c.layout, row) and c.layout.recompute == "none"]
         budget = max([budget] + [c.peak_bytes for c in as_run[:1]])
         fitting = [c for c in fitting if c.peak_bytes <= budget]
     published = next((c for c in fitting if _matches(c.layout, row)), None)
-    return Comparison(row, fitting[0], published)
+    return Comparison(row, fitting[0], published, vanilla)
 
 
-def table(rows=ROWS) -> str:
+def table(vanilla, rows=ROWS) -> str:
     lines = ["| model | GPUs | source | published | MFU published | planner's choice | "
              "published / chosen step time | MFU predicted |",
              "|---|---:|---|---|---:|---|---:|---:|"]
     for row in rows:
-        c = compare(row)
+        c = compare(row, vanilla)
         mfu = f"{row.published_mfu:.0%}" if row.published_mfu else "–"
         ratio = "does not fit" if c.published is None else f"{c.ratio:.3f}"
         lines.append(f"| {row.name} | {row.gpus} x {row.gpu.upper()} | {row.source} | "
@@ -171,5 +174,7 @@ def table(rows=ROWS) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    print(table())
+if __name__ == "__main__":  # a program: above the mixers, it may look one up
+    from depthmix.mixers import get_mixer
+
+    print(table(get_mixer("vanilla")))

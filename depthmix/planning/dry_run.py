@@ -37,7 +37,9 @@ def world_size_of(run: RunConfig, env=os.environ) -> int:
     return int(env.get("WORLD_SIZE", "1"))
 
 
-def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
+def report(run: RunConfig, mixer, world_size: int, out: TextIO = sys.stdout) -> None:
+    """The dry run of ``run`` and its ``mixer`` (:class:`~depthmix.mixers.base.Mixer`) at
+    ``world_size``: the resolved config, the layout, memory per rank, parameters and FLOPs."""
     p, t = run.parallel, run.train
     dp = data_parallel_size(run, world_size)
     vp = p.vp or 1
@@ -54,7 +56,7 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
       f"{num_micro} micro-batches x dp {dp}; {t.global_batch_size * run.model.seq_length:,} "
       "tokens per step\n")
     shape = Shape.of(run)  # what the mixer's hooks read, built once
-    estimates = memory.estimate(run, world_size, shape)
+    estimates = memory.estimate(run, mixer, world_size, shape)
     for e in estimates:
         parts = []
         for c in e.chunks:
@@ -71,12 +73,12 @@ def report(run: RunConfig, world_size: int, out: TextIO = sys.stdout) -> None:
         w(f"{e.pp_rank:>7} {human(e.params):>10} {_gib(e.state_bytes):>20} "
           f"{_gib(e.activation_bytes):>12} {e.inflight_microbatches:>9} "
           f"{_gib(e.total_bytes):>10} {sends:>18} {_gib(e.p2p_buffer_bytes):>12}\n")
-    total = total_params(run, shape)
+    total = total_params(run, mixer, shape)
     per_param = memory.state_bytes_per_param(t.precision, p.distributed_optimizer, dp)
     w(f"model parameters: {human(total)} ({total:,}); bytes/param for weights+grads+"
       f"optimizer: {sum(per_param.values()):.2f} ({t.precision}"
       f"{', distributed optimizer' if p.distributed_optimizer else ''})\n")
-    flops = flops_per_token(run, shape)
+    flops = flops_per_token(run, mixer, shape)
     vanilla = flops["linear"] + flops["attention"] + flops["head"]
     swa = f" + short_swa {human(flops['short_swa'])}" if flops["short_swa"] else ""
     extra = flops["mixer"] + flops["short_swa"]

@@ -53,13 +53,6 @@ def device_peak_tflops(run: RunConfig, device_name: Optional[str]) -> Optional[f
     return device.tflops.get(run.train.precision) if device else None
 
 
-def mixer_of(run: RunConfig):
-    """The run's :class:`~depthmix.mixers.base.Mixer` (its hooks)."""
-    from depthmix.mixers import get_mixer
-
-    return get_mixer(run.mixer.name if run.mixer is not None else "vanilla")
-
-
 # ---------------------------------------------------------------------------------------
 # FLOPs
 # ---------------------------------------------------------------------------------------
@@ -82,20 +75,20 @@ def short_swa_flops_per_token(x: Shape) -> int:
                                 * x.num_attention_heads * x.kv_channels)
 
 
-def flops_per_token(run: RunConfig, config=None) -> Dict[str, float]:
+def flops_per_token(run: RunConfig, mixer, config=None) -> Dict[str, float]:
     """Forward FLOPs per token by part, and ``train`` = 3 x their sum (see module doc).
-    ``config``: what the mixer's hook reads (a ``DepthMixConfig``; default the run's
-    :class:`Shape`)."""
+    ``mixer``: the run's :class:`~depthmix.mixers.base.Mixer` (its hooks); ``config``: what
+    its hook reads (a ``DepthMixConfig``; default the run's :class:`Shape`)."""
     x = Shape.of(run)
     layers = x.unrolled_layers
     linear = 2 * layers * (_attention_projections(x) + 3 * x.hidden_size * x.ffn_hidden_size)
     attention = 4 * layers * x.seq_length * x.num_attention_heads * x.kv_channels
     head = 2 * x.hidden_size * x.vocab_size
-    mixer = float(mixer_of(run).extra_flops_per_token(config if config is not None else x))
+    extra = float(mixer.extra_flops_per_token(config if config is not None else x))
     swa = float(short_swa_flops_per_token(x))
-    forward = linear + attention + head + mixer + swa
+    forward = linear + attention + head + extra + swa
     return {"linear": float(linear), "attention": float(attention), "head": float(head),
-            "mixer": mixer, "short_swa": swa, "forward": float(forward), "train": 3.0 * forward}
+            "mixer": extra, "short_swa": swa, "forward": float(forward), "train": 3.0 * forward}
 
 
 @dataclass
@@ -126,9 +119,10 @@ class ThroughputMeter:
         self._seconds, self._steps = 0.0, 0
 
     @classmethod
-    def of(cls, run: RunConfig, config, world_size: int,
+    def of(cls, run: RunConfig, mixer, config, world_size: int,
            device_name: Optional[str]) -> "ThroughputMeter":
-        return cls(flops_per_token(run, config)["train"], device_peak_tflops(run, device_name),
+        return cls(flops_per_token(run, mixer, config)["train"],
+                   device_peak_tflops(run, device_name),
                    run.train.global_batch_size * run.model.seq_length, world_size)
 
     def add(self, seconds: float) -> None:
@@ -178,9 +172,9 @@ def stored_layer_params(x: Shape, tp: int, extra) -> List[int]:
     return [base + extra.layer(i) for i in range(x.num_layers)]
 
 
-def total_params(run: RunConfig, config=None) -> int:
-    """All parameters of the model (unsharded, counted once)."""
+def total_params(run: RunConfig, mixer, config=None) -> int:
+    """All parameters of the model of ``run`` and its ``mixer`` (unsharded, counted once)."""
     x = Shape.of(run)
-    extra = mixer_of(run).extra_params(config if config is not None else x, 1)
+    extra = mixer.extra_params(config if config is not None else x, 1)
     return (sum(stored_layer_params(x, 1, extra)) + extra.stem + extra.head
             + (1 if x.tie_embeddings else 2) * x.vocab_size * x.hidden_size + x.hidden_size)

@@ -299,9 +299,8 @@ def _planned_mode(run) -> str:
     return ("compiled+graphs" if graphs else "compiled") if compiled else "eager"
 
 
-def _matches(row: dict, run, gpu: str) -> bool:
+def _matches(row: dict, run, mixer, gpu: str) -> bool:
     m, model = run.model, row.get("model") or {}
-    mixer = run.mixer.name if run.mixer is not None else "vanilla"
     shape = {"num_layers": m.num_layers, "hidden_size": m.hidden_size,
              "ffn_hidden_size": m.ffn_hidden_size,
              "num_attention_heads": m.num_attention_heads,
@@ -309,15 +308,13 @@ def _matches(row: dict, run, gpu: str) -> bool:
              "seq_length": m.seq_length, "vocab_size": m.padded_vocab_size}
     if any(model.get(k) != v for k, v in shape.items()) or m.n_loops != 1:
         return False
-    if (row.get("device_kind") != gpu or row.get("mixer") != mixer
+    if (row.get("device_kind") != gpu or row.get("mixer") != mixer.name
             or row.get("precision") != run.train.precision
             or row.get("mode") != _planned_mode(run)):
         return False
-    if mixer != "vanilla":
-        from depthmix.mixers import get_mixer
-
+    if mixer.name != "vanilla":
         impl = run.mixer.impl if run.mixer.impl != "auto" else "triton"  # auto, on a GPU
-        if get_mixer(mixer).kernels and row.get("impl") != impl:
+        if mixer.kernels and row.get("impl") != impl:
             return False  # (without kernels both impls run the same code)
         if (row.get("mixer_options") or {}) != mixer_options(run):
             return False
@@ -326,8 +323,9 @@ def _matches(row: dict, run, gpu: str) -> bool:
                for k, v in (row.get("settings") or {}).items() if k in SETTING_DEFAULTS)
 
 
-def measured(run, gpu: str, gpus: int) -> List[dict]:
-    """Measured steps of ``run``'s shape on one GPU of kind ``gpu`` (``cluster.gpu``) at one
+def measured(run, mixer, gpu: str, gpus: int) -> List[dict]:
+    """Measured steps of ``run``'s shape and ``mixer`` (its
+    :class:`~depthmix.mixers.base.Mixer`) on one GPU of kind ``gpu`` (``cluster.gpu``) at one
     micro-batch a step, newest first: from :data:`FIT_FILE` and every run file
     :func:`run_files` finds (each run file's row once). Empty unless ``gpus == 1``."""
     if gpus != 1:
@@ -345,5 +343,5 @@ def measured(run, gpu: str, gpus: int) -> List[dict]:
         for row in step_rows(doc):
             rows[(row["run_file"], row["id"])] = _plan_key(row)
     found = [r for r in rows.values() if r.get("micro_batch") == run.train.global_batch_size
-             and _matches(r, run, gpu)]
+             and _matches(r, run, mixer, gpu)]
     return sorted(found, key=lambda r: r.get("run_file") or "", reverse=True)

@@ -52,7 +52,7 @@ from typing import List
 
 from depthmix.config.schema import RunConfig
 from depthmix.config.validate import data_parallel_size
-from depthmix.planning.flops import mixer_of, stored_layer_params
+from depthmix.planning.flops import stored_layer_params
 from depthmix.planning.pipeline import PipelineLayout, geometry_of
 from depthmix.planning.shape import Shape
 
@@ -160,24 +160,24 @@ _GEOMETRIES: dict = {}
 _RECOMPUTE_INPUTS: dict = {}
 
 
-def _geometry(run: RunConfig, config, layout: PipelineLayout):
+def _geometry(run: RunConfig, mixer, config, layout: PipelineLayout):
     """The transport's geometry (cached: the planner asks for thousands of layouts)."""
     p = run.parallel
-    key = (repr(run.model), repr(run.mixer), layout, p.tp, p.sequence_parallel)
+    key = (repr(run.model), repr(run.mixer), mixer.plan, layout, p.tp, p.sequence_parallel)
     if key not in _GEOMETRIES:
-        _GEOMETRIES[key] = geometry_of(config, layout, p.tp)
+        _GEOMETRIES[key] = geometry_of(mixer.plan, config, layout, p.tp)
     return _GEOMETRIES[key]
 
 
-def estimate(run: RunConfig, world_size: int, config=None) -> List[RankMemory]:
+def estimate(run: RunConfig, mixer, world_size: int, config=None) -> List[RankMemory]:
     """Per pipeline rank (all TP/DP ranks of a stage are alike); see the module doc.
-    ``config``: what the mixer's hooks read (default the run's :class:`Shape`)."""
+    ``mixer``: the run's :class:`~depthmix.mixers.base.Mixer` (its hooks); ``config``: what
+    they read (default the run's :class:`Shape`)."""
     p, t = run.parallel, run.train
     x = Shape.of(run)
     tp, pp, vp, sp = p.tp, p.pp, p.vp or 1, p.sequence_parallel
     dp = data_parallel_size(run, world_size)
     config = config if config is not None else x
-    mixer = mixer_of(run)
     extra = mixer.extra_params(config, tp)
     saved = mixer.saved_activations(config, tp, t.micro_batch_size)
     layout = PipelineLayout(x.num_layers, pp, vp)
@@ -186,7 +186,7 @@ def estimate(run: RunConfig, world_size: int, config=None) -> List[RankMemory]:
     b = t.micro_batch_size
     tokens = b * x.seq_length
     num_micro = t.global_batch_size // (b * dp)
-    geometry = _geometry(run, config, layout)
+    geometry = _geometry(run, mixer, config, layout)
     views = mixer.view_entries(config, tp)
     per_param = state_bytes_per_param(t.precision, p.distributed_optimizer, dp)
     chunk_of = _chunk_of_layer(x, layout)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from depthmix.planning.flops import flops_per_token, mixer_of
+from depthmix.planning.flops import flops_per_token
 from depthmix.planning.pipeline import PipelineLayout, geometry_of
 from depthmix.planning.shape import Shape
 from depthmix.planning.units import fmt_bytes, human
@@ -45,17 +45,15 @@ class Overheads:
         return self.io_bytes_per_token / self.layers
 
 
-def overheads(run, prefill: int = 131072, element_size: int = 2) -> Overheads:
-    """Extra costs of ``run``'s mixer over the vanilla decoder of the same model."""
-    from depthmix.mixers.base import state_per_token
-
+def overheads(run, mixer, prefill: int = 131072, element_size: int = 2) -> Overheads:
+    """Extra costs of ``run``'s ``mixer`` (its :class:`~depthmix.mixers.base.Mixer`) over
+    the vanilla decoder of the same model."""
     shape = Shape.of(run)
-    mixer = mixer_of(run)
-    flops = flops_per_token(run)
+    flops = flops_per_token(run, mixer)
     vanilla_forward = flops["forward"] - flops["mixer"]
     p = run.parallel
     layout = PipelineLayout(shape.num_layers, p.pp, p.vp or 1)
-    geometry = geometry_of(shape, layout, p.tp)
+    geometry = geometry_of(mixer.plan, shape, layout, p.tp)
     hidden_rows = shape.seq_length // (p.tp if p.sequence_parallel else 1)
     vanilla_payload = hidden_rows * shape.hidden_size * element_size
     pipeline = max((geometry.payload_bytes(c, 1, element_size) - vanilla_payload
@@ -66,7 +64,7 @@ def overheads(run, prefill: int = 131072, element_size: int = 2) -> Overheads:
         flops_per_token=flops["mixer"],
         flops_share=flops["mixer"] / vanilla_forward,
         io_bytes_per_token=float(mixer.extra_io_per_token(shape)) * element_size,
-        state_bytes=state_per_token(mixer, shape) * prefill * element_size,
+        state_bytes=mixer.state_per_token(shape) * prefill * element_size,
         params=mixer.extra_params(shape, 1).total,
         pipeline_bytes=pipeline,
     )

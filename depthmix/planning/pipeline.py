@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from depthmix.planning.depth_plan import DepthPlan, Entry
 
@@ -178,13 +178,13 @@ class TransportGeometry:
         return adjust
 
 
-def geometry_of(config, layout: PipelineLayout, tp: Optional[int] = None) -> TransportGeometry:
-    """The transport geometry of a model config (its mixer's plan) on ``layout``: the one
-    constructor the model, the accounting, the dry run and the tools use."""
-    from depthmix.mixers import get_mixer
-
+def geometry_of(plan: Callable, config, layout: PipelineLayout,
+                tp: Optional[int] = None) -> TransportGeometry:
+    """The transport geometry of a model config on ``layout``, from its mixer's ``plan``
+    (``Mixer.plan``: ``(config, tp) -> [Entry]``): the one constructor the model, the
+    accounting, the dry run and the tools use."""
     tp = tp if tp is not None else config.tensor_model_parallel_size
-    plan = DepthPlan(get_mixer(config.mixer.name).plan(config, tp), config.unrolled_layers)
+    plan = DepthPlan(plan(config, tp), config.unrolled_layers)
     return TransportGeometry(plan=plan, layout=layout, seq_length=config.seq_length,
                              hidden_size=config.hidden_size, tp=tp,
                              sequence_parallel=config.sequence_parallel)

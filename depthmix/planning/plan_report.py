@@ -57,7 +57,8 @@ def assumptions(run: RunConfig, cluster: Cluster) -> List[str]:
     ]
 
 
-def small_batch_warning(run: RunConfig, cluster: Cluster, chosen: Candidate) -> Optional[str]:
+def small_batch_warning(run: RunConfig, mixer, cluster: Cluster,
+                        chosen: Candidate) -> Optional[str]:
     """A warning when the global batch is smaller than one micro-batch per data-parallel
     rank of the layout the planner would choose with a batch of ``gpus x 8`` sequences: the
     batch, not the cluster, then decides the plan."""
@@ -66,7 +67,7 @@ def small_batch_warning(run: RunConfig, cluster: Cluster, chosen: Candidate) -> 
         return None
     larger = cluster.gpus * max(cluster.micro_batch_sizes)
     train = dataclasses.replace(run.train, global_batch_size=larger)
-    best = plan(dataclasses.replace(run, train=train), cluster)[0][0]
+    best = plan(dataclasses.replace(run, train=train), mixer, cluster)[0][0]
     need = best.layout.dp * best.layout.micro_batch
     if need <= batch:
         return None
@@ -77,7 +78,7 @@ def small_batch_warning(run: RunConfig, cluster: Cluster, chosen: Candidate) -> 
             f"1024 sequences) or train.global_batch_size")
 
 
-def overlap_note(run: RunConfig, cluster: Cluster, chosen: Candidate) -> Optional[str]:
+def overlap_note(run: RunConfig, mixer, cluster: Cluster, chosen: Candidate) -> Optional[str]:
     """What turning on the ``parallel.overlap_*`` options left off would save the chosen
     layout (None: they are on, or would save under 1% of the step)."""
     p, lay = run.parallel, chosen.layout
@@ -88,7 +89,7 @@ def overlap_note(run: RunConfig, cluster: Cluster, chosen: Candidate) -> Optiona
     if not off or chosen.layout.dp == 1:
         return None
     parallel = dataclasses.replace(p, overlap_grad_reduce=True, overlap_param_gather=True)
-    on = evaluate(dataclasses.replace(run, parallel=parallel), chosen.layout, cluster)
+    on = evaluate(dataclasses.replace(run, parallel=parallel), mixer, chosen.layout, cluster)
     saved = chosen.step_seconds - on.step_seconds
     if saved < 0.01 * chosen.step_seconds:
         return None
@@ -97,7 +98,7 @@ def overlap_note(run: RunConfig, cluster: Cluster, chosen: Candidate) -> Optiona
             "with them: the ranking can change)")
 
 
-def measured_lines(run: RunConfig, cluster: Cluster) -> List[str]:
+def measured_lines(run: RunConfig, mixer, cluster: Cluster) -> List[str]:
     """The measured step of this shape beside the planner's prediction for the layout it ran
     at (one GPU, one micro-batch a step), from GPU run files
     (:func:`depthmix.planning.gpu_runs.measured`); empty when none has the shape."""
@@ -105,9 +106,9 @@ def measured_lines(run: RunConfig, cluster: Cluster) -> List[str]:
     from depthmix.planning.planner import Layout
 
     lines = []
-    for row in gpu_runs.measured(run, cluster.gpu, cluster.gpus):
+    for row in gpu_runs.measured(run, mixer, cluster.gpu, cluster.gpus):
         lay = Layout(1, 1, None, 1, row["micro_batch"], "none", False, False)
-        predicted = evaluate(run, lay, cluster).step_seconds * 1e3
+        predicted = evaluate(run, mixer, lay, cluster).step_seconds * 1e3
         lines.append(
             f"measured: {lay.short()} {row['mode']} on {row['device']}: "
             f"{row['ms_per_step']:.1f} ms a step ({row['tokens_per_s']:,.0f} tokens/s), "
@@ -116,16 +117,18 @@ def measured_lines(run: RunConfig, cluster: Cluster) -> List[str]:
     return lines
 
 
-def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
+def report(run: RunConfig, mixer, cluster: Cluster, argv: Sequence[str], top: int = 5,
            out: TextIO = sys.stdout) -> Candidate:
-    fitting, everyone = plan(run, cluster)
+    """The plan of ``run`` and its ``mixer`` (:class:`~depthmix.mixers.base.Mixer`) on
+    ``cluster``, written to ``out``; returns the chosen candidate."""
+    fitting, everyone = plan(run, mixer, cluster)
     w = out.write
     w(f"# depthmix-plan: {run.model.name} mixer={run.mixer.name} on {cluster.gpus} x "
       f"{cluster.kind().name}\n")
     for line in assumptions(run, cluster):
         w(f"#   {line}\n")
     win = fitting[0]
-    warning = small_batch_warning(run, cluster, win)
+    warning = small_batch_warning(run, mixer, cluster, win)
     if warning:
         w(f"{warning}\n")
     w(f"{len(everyone)} valid layouts, {len(fitting)} fit memory\n\n")
@@ -141,10 +144,10 @@ def report(run: RunConfig, cluster: Cluster, argv: Sequence[str], top: int = 5,
         fastest = min(too_big, key=lambda c: c.step_seconds)
         w(f"{len(too_big)} layouts need more than the budget (e.g. "
           f"{fastest.layout.short()}: {gib(fastest.peak_bytes)})\n")
-    note = overlap_note(run, cluster, win)
+    note = overlap_note(run, mixer, cluster, win)
     if note:
         w(f"{note}\n")
-    for line in measured_lines(run, cluster):
+    for line in measured_lines(run, mixer, cluster):
         w(f"{line}\n")
     w("\nchosen:\n  depthmix-train " + " ".join([*argv, *win.layout.overrides(cluster.gpus)])
       + "\n")

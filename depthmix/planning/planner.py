@@ -193,12 +193,13 @@ def _accepted(run: RunConfig, gpus: int) -> bool:
     return True
 
 
-def evaluate(run: RunConfig, lay: Layout, cluster: Cluster,
+def evaluate(run: RunConfig, mixer, lay: Layout, cluster: Cluster,
              flops: Optional[float] = None) -> Candidate:
-    """One layout's memory peak and step time (``flops``: training FLOPs per token)."""
+    """One layout's memory peak and step time (``mixer``: the run's
+    :class:`~depthmix.mixers.base.Mixer`; ``flops``: training FLOPs per token)."""
     r = lay.apply(run, cluster.gpus)
-    flops = flops if flops is not None else flops_per_token(run)["train"]
-    ranks = memory.estimate(r, cluster.gpus)
+    flops = flops if flops is not None else flops_per_token(run, mixer)["train"]
+    ranks = memory.estimate(r, mixer, cluster.gpus)
     peak = max(ranks, key=lambda x: x.total_bytes)
     seconds = step_time(r, lay, cluster.kind(), ranks, flops, max(x.params for x in ranks),
                         cluster.gpus)
@@ -210,13 +211,13 @@ class NoFit(Exception):
     """No layout fits; the message says what is short."""
 
 
-def plan(run: RunConfig, cluster: Cluster):
-    """``(fitting candidates fastest first, every candidate evaluated)``; raises
-    :class:`NoFit` naming the shortfall when nothing fits."""
+def plan(run: RunConfig, mixer, cluster: Cluster):
+    """``(fitting candidates fastest first, every candidate evaluated)`` for ``run`` and its
+    ``mixer``; raises :class:`NoFit` naming the shortfall when nothing fits."""
     kind = cluster.kind()
     budget = (kind.memory_gib - cluster.reserve_gib) * GIB
-    flops = flops_per_token(run)["train"]
-    everyone = [evaluate(run, lay, cluster, flops) for lay in layouts(run, cluster)]
+    flops = flops_per_token(run, mixer)["train"]
+    everyone = [evaluate(run, mixer, lay, cluster, flops) for lay in layouts(run, cluster)]
     if not everyone:
         raise NoFit(f"no parallel layout of {cluster.gpus} GPUs is valid for this model "
                     f"(heads, layers and train.global_batch_size={run.train.global_batch_size}"

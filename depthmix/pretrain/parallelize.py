@@ -4,7 +4,8 @@
    of one local process), Megatron's TP/PP/DP groups, and the model-parallel RNG seeds.
    Without CUDA it needs the CPU shim: it installs the runtime first where no entry point
    did (:func:`depthmix.runtime.entry_point`).
-2. ``build_chunks``: one ``DepthMixModel`` per virtual pipeline stage on this rank, sharing a
+2. ``build_chunks``: one ``DepthMixModel`` per virtual pipeline stage on this rank, built from
+   the mixer the caller hands it (``depthmix.mixers.mixer_of(run)``), sharing a
    depth-state cache -> ``Float16Module`` for bf16/fp16; what evaluation runs (no gradient
    buffers). ``build_model`` (training) wraps them in Megatron DDP (buckets and overlapped
    communication: :mod:`depthmix.pretrain.overlap`).
@@ -24,7 +25,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
 from depthmix.config.schema import RunConfig
-from depthmix.megatron_ext.model import DepthMixModel
+from depthmix.megatron_ext.model import build_chunk
 from depthmix.megatron_ext.transport import DepthStateCache
 from depthmix.pretrain import overlap
 from depthmix.pretrain.compile import compile_layers
@@ -115,15 +116,16 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def build_chunks(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module]:
-    """Model chunks of this rank, wrapped for mixed precision only: no gradient buffers,
-    for evaluation (and :func:`build_model`)."""
+def build_chunks(run: RunConfig, mixer, config, topo: Topology) -> List[torch.nn.Module]:
+    """Model chunks of this rank of ``mixer`` (the run's
+    :class:`~depthmix.mixers.base.Mixer`), wrapped for mixed precision only: no gradient
+    buffers, for evaluation (and :func:`build_model`)."""
     cache = DepthStateCache()
     chunks = []
     for vp_stage in range(topo.vp):
         chunk = topo.pp_rank + vp_stage * topo.pp
-        model = DepthMixModel(
-            config,
+        model = build_chunk(
+            config, mixer,
             pre_process=chunk == 0,
             post_process=chunk == topo.pp * topo.vp - 1,
             vp_stage=vp_stage if topo.vp > 1 else None,
@@ -139,9 +141,9 @@ def build_chunks(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module
     return chunks
 
 
-def build_model(run: RunConfig, config, topo: Topology) -> List[torch.nn.Module]:
+def build_model(run: RunConfig, mixer, config, topo: Topology) -> List[torch.nn.Module]:
     """Model chunks of this rank, wrapped for mixed precision and data parallelism."""
-    chunks = build_chunks(run, config, topo)
+    chunks = build_chunks(run, mixer, config, topo)
     ddp_config = overlap.ddp_config(run.parallel, topo.dp)
     return [
         DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,

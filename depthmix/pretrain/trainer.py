@@ -14,6 +14,7 @@ from megatron.core.distributed import finalize_model_grads
 from depthmix.checkpoint import distributed, store
 from depthmix.config.schema import RunConfig
 from depthmix.megatron_ext.config import to_transformer_config
+from depthmix.mixers import mixer_of
 from depthmix.planning.flops import ThroughputMeter
 from depthmix.pretrain import overlap
 from depthmix.pretrain.callbacks import Callback, ConsoleLogger
@@ -52,13 +53,16 @@ class Trainer:
         random.seed(run.train.seed + 100 * self.topo.pp_rank)
         np.random.seed(run.train.seed + 100 * self.topo.pp_rank)
         self.config = to_transformer_config(run)
-        self.model = build_model(run, self.config, self.topo)
+        self.mixer = mixer_of(run)
+        """The run's :class:`~depthmix.mixers.base.Mixer`, handed to what builds and plans."""
+        self.model = build_model(run, self.mixer, self.config, self.topo)
         self.optimizer, self.scheduler = build_optimizer(run, self.config, self.model)
         self._wire_megatron_hooks()
 
         t = run.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.topo.dp)
-        self.meter = ThroughputMeter.of(run, self.config, self.topo.world_size, device_name())
+        self.meter = ThroughputMeter.of(run, self.mixer, self.config, self.topo.world_size,
+                                        device_name())
         self.last: Optional[StepResult] = None
         self.verdict: Optional[Verdict] = None
         """The health verdict on the last step, acted on after the callbacks saw it."""

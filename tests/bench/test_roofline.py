@@ -7,6 +7,7 @@ import pytest
 
 from depthmix import bench, kernels
 from depthmix.bench import roofline
+from depthmix.mixers import available
 from depthmix.planning.hardware import H100, H200
 
 
@@ -73,7 +74,7 @@ def test_one_forward_and_backward_per_full_benchmark_shape():
 # A whole step: what each mixer adds (issue 37)
 # ---------------------------------------------------------------------------------------
 
-MIXERS = ("depth_attn", "moda", "attnres_full", "attnres_block", "mhc", "denseformer", "ddl")
+MIXERS = [name for name in available() if name != "vanilla"]
 
 
 def _run(mixer: str, *extra):

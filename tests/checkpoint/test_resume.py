@@ -172,9 +172,11 @@ def test_checkpoint_directory_layout(results):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_2))
 def test_memory_estimate_counts_each_ranks_parameters(results, layout):
+    from depthmix.mixers import mixer_of
     from depthmix.planning.memory import estimate
 
-    per_stage = estimate(make_run(**LAYOUTS_2[layout]), world_size=2)
+    run = make_run(**LAYOUTS_2[layout])
+    per_stage = estimate(run, mixer_of(run), world_size=2)
     for per_rank in results["world2"]:
         facts = per_rank[layout]["A_facts"]
         assert per_stage[facts["pp_rank"]].params == facts["params"], layout

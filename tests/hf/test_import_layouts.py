@@ -57,6 +57,7 @@ def _logits_and_loss(ckpt: str, parallel: dict):
     from depthmix.checkpoint.store import find_checkpoint, read_meta
     from depthmix.megatron_ext.config import to_transformer_config
     from depthmix.megatron_ext.model import unwrap
+    from depthmix.mixers import mixer_of
     from depthmix.pretrain.parallelize import (
         build_chunks,
         destroy_model_parallel,
@@ -69,7 +70,7 @@ def _logits_and_loss(ckpt: str, parallel: dict):
     for key, value in parallel.items():
         setattr(run.parallel, key, value)
     topo = init_distributed(run)
-    model = build_chunks(run, to_transformer_config(run), topo)
+    model = build_chunks(run, mixer_of(run), to_transformer_config(run), topo)
     load(path, run=run, model=model, topo=topo, weights_only=True)
     captured = []
     last = unwrap(model[-1])
@@ -95,6 +96,7 @@ def _lean_evaluation(ckpt: str, dataset: str, tmp: str) -> dict:
     from depthmix.checkpoint.distributed import load
     from depthmix.evaluate.job import compose_job
     from depthmix.evaluate.perplexity import Evaluator
+    from depthmix.mixers import mixer_of
     from depthmix.pretrain.parallelize import build_model, destroy_model_parallel
 
     job = compose_job(f"eval.checkpoint={ckpt}", f"eval.datasets={{d: {dataset}}}",
@@ -111,7 +113,8 @@ def _lean_evaluation(ckpt: str, dataset: str, tmp: str) -> dict:
     out["lean_loss"] = evaluate().loss
     evaluator.model = None
     before = live_tensor_bytes()
-    evaluator.model = build_model(job.run, evaluator.config, evaluator.topo)
+    evaluator.model = build_model(job.run, mixer_of(job.run), evaluator.config,
+                                  evaluator.topo)
     load(job.checkpoint, run=job.run, model=evaluator.model, topo=evaluator.topo,
          weights_only=True)
     out["ddp_bytes"] = live_tensor_bytes() - before

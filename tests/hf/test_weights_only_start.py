@@ -46,7 +46,7 @@ def test_weights_only_start_from_a_plain_checkpoint(case, vanilla):
 
     from depthmix.checkpoint.distributed import load
     from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.megatron_ext.model import DepthMixModel
+    from depthmix.megatron_ext.model import build_chunk
     from depthmix.mixers import get_mixer
     from depthmix.pretrain.parallelize import init_distributed
 
@@ -56,7 +56,7 @@ def test_weights_only_start_from_a_plain_checkpoint(case, vanilla):
     run.mixer = get_mixer(mixer).config_cls(name=mixer, impl="torch", **options)
     run.mixer.resolve(run.model)
     topo = init_distributed(run)
-    model = DepthMixModel(to_transformer_config(run))
+    model = build_chunk(to_transformer_config(run), get_mixer(run.mixer.name))
     load(loaded.path, run=run, model=[model], topo=topo, weights_only=True)
     ours = dict(model.named_parameters())
     for name, param in loaded.model.named_parameters():  # every vanilla weight was loaded
@@ -77,7 +77,7 @@ def test_a_missing_model_weight_is_still_an_error(imported, megatron_single):
     from depthmix.checkpoint.store import find_checkpoint, read_meta
     from depthmix.config.schema import ConfigError
     from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.megatron_ext.model import DepthMixModel
+    from depthmix.megatron_ext.model import build_chunk
     from depthmix.mixers import get_mixer
     from depthmix.pretrain.parallelize import init_distributed
 
@@ -87,6 +87,6 @@ def test_a_missing_model_weight_is_still_an_error(imported, megatron_single):
     run.mixer = get_mixer("denseformer").config_cls(name="denseformer", impl="torch")
     run.mixer.resolve(run.model)
     topo = init_distributed(run)
-    model = DepthMixModel(to_transformer_config(run))
+    model = build_chunk(to_transformer_config(run), get_mixer(run.mixer.name))
     with pytest.raises(ConfigError, match="model.tie_embeddings"):
         load(path, run=run, model=[model], topo=topo, weights_only=True)

@@ -5,7 +5,8 @@ import torch
 
 from depthmix.config.load import compose_run
 from depthmix.megatron_ext.config import to_transformer_config
-from depthmix.megatron_ext.model import DepthMixModel
+from depthmix.megatron_ext.model import build_chunk
+from depthmix.mixers import get_mixer
 
 PRESETS = {  # name: (hidden, ffn, layers, heads, kv heads) from the papers' model tables
     "360m": (960, 2540, 24, 15, 15),
@@ -33,7 +34,7 @@ def test_preset_parameter_count(preset, megatron_single):
     config = to_transformer_config(run)
     config.perform_initialization = False
     with torch.device("meta"):
-        model = DepthMixModel(config)
+        model = build_chunk(config, get_mixer("vanilla"))
     count = sum(p.numel() for p in model.parameters())
     assert all(p.is_meta for p in model.parameters())
     assert count == closed_form(h, f, layers, heads, kv)

@@ -4,6 +4,7 @@ accounting and the memory model."""
 
 import torch
 
+from depthmix.mixers import get_mixer
 from depthmix.planning import flops, memory
 from depthmix.testing import build_model, tiny_run
 
@@ -29,14 +30,14 @@ def test_the_output_layer_reads_the_embedding(megatron_single):
 
 
 def test_parameters_and_memory_count_the_matrix_once(megatron_single):
-    run = tied_run()
+    run, vanilla = tied_run(), get_mixer("vanilla")
     numel = sum(p.numel() for p in build_model(run).parameters())
-    assert flops.total_params(run) == numel
-    assert memory.estimate(run, world_size=1)[0].params == numel
+    assert flops.total_params(run, vanilla) == numel
+    assert memory.estimate(run, vanilla, world_size=1)[0].params == numel
     untied = tiny_run()
-    assert flops.total_params(untied) - numel == 128 * 64  # padded vocab x hidden
+    assert flops.total_params(untied, vanilla) - numel == 128 * 64  # padded vocab x hidden
     run.parallel.pp = 2  # each end stage holds a copy
-    first, last = memory.estimate(run, world_size=2)
+    first, last = memory.estimate(run, vanilla, world_size=2)
     untied.parallel.pp = 2
-    assert [r.params for r in memory.estimate(untied, world_size=2)] == [first.params,
-                                                                         last.params]
+    assert [r.params for r in memory.estimate(untied, vanilla, world_size=2)] == [first.params,
+                                                                                  last.params]

@@ -28,7 +28,8 @@ def geometry(mixer, options, pp, vp, tp):
     run.model.num_layers = LAYERS
     run.mixer.resolve(run.model)
     run.parallel.tp, run.parallel.sequence_parallel = tp, tp > 1
-    return geometry_of(to_transformer_config(run), PipelineLayout(LAYERS, pp, vp), tp)
+    return geometry_of(get_mixer(mixer).plan, to_transformer_config(run),
+                       PipelineLayout(LAYERS, pp, vp), tp)
 
 
 def names(entries):

@@ -255,7 +255,7 @@ def test_pipeline_bytes_formula(pp, stride, live):
     run = make_run(stride=stride)
     run.parallel.pp = pp
     config = _config(run)
-    geo = geometry_of(config, PipelineLayout(4, pp), 1)
+    geo = geometry_of(depth_attn_plan, config, PipelineLayout(4, pp), 1)
     b, e, s, ng, hn = 3, 2, 16, 2, 16
     for chunk, n in live.items():
         assert geo.payload_bytes(chunk, b, e) == (s * b * 64 + 2 * n * s * b * ng * hn) * e

@@ -273,7 +273,7 @@ def test_plan_parameters_and_transport(megatron_single):
     (entry,) = mhc_plan(config, tp=2)
     assert entry.shape == (4, run.model.hidden_size) and entry.seq_sharded
     config.sequence_parallel = True
-    geo = geometry_of(config, PipelineLayout(config.num_layers, 2), tp=2)
+    geo = geometry_of(mhc_plan, config, PipelineLayout(config.num_layers, 2), tp=2)
     # PP=2 with SP: one transition carrying the 4 streams of the local sequence shard.
     assert geo.payload_bytes(1, micro_batch_size=2, element_size=2) == 8 * 2 * 4 * 64 * 2
     assert geo.rows(1) == 8 * 4

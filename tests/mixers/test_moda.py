@@ -371,7 +371,7 @@ def test_pipeline_bytes_closed_form(megatron_single, pp, vp, tp, sp, options):
     validate(run)
     config = to_transformer_config(run)
     layout = PipelineLayout(config.num_layers, pp, vp)
-    geo = geometry_of(config, layout, tp)
+    geo = geometry_of(moda_plan, config, layout, tp)
     for chunk in range(1, layout.num_chunks):
         assert geo.payload_bytes(chunk, run.train.micro_batch_size, 4) == \
             closed_form_bytes(run, chunk, layout, tp, sp), f"chunk {chunk}"

@@ -1,8 +1,9 @@
 """Adding a mixer takes one folder (plus, in the tree, its YAML and doc page): a toy mixer
 package written to a tmp dir and put on the registry's search path is picked up by
-``depthmix-train --help``, the Hydra config and every shared test matrix without another
-edit; the overheads test asks for the one thing it cannot know (a closed form); a folder
-that lacks a required hook is refused with a message naming it."""
+``depthmix-train --help``, the Hydra config, every shared test matrix, the roofline's step
+floor and ``tools/gpu_bench.py``'s matrix without another edit; the overheads test asks for
+the one thing it cannot know (a closed form); a folder that lacks a required hook is
+refused with a message naming it."""
 
 import json
 import os
@@ -23,7 +24,7 @@ TOY_INIT = '''\
 
 from dataclasses import dataclass
 
-from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, SavedActivations
+from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, OpCall, SavedActivations
 from depthmix.mixers.base import model_hook, residual_plan
 
 
@@ -51,6 +52,14 @@ def saved_activations(config, tp, micro_batch):
     return SavedActivations(layers={u: per for u in range(config.unrolled_layers)})
 
 
+def step_work(config, tokens):
+    """Per sublayer the gate, elementwise over ``y``: read it, write the gated output,
+    ``w . y``, the sigmoid and the product (``4h`` a token)."""
+    th = tokens * config.hidden_size
+    return [OpCall("toy gate", f"sublayer {i}", "elementwise", (th, th, 4 * th))
+            for i in range(1, 2 * config.unrolled_layers + 1)]
+
+
 MIXER = Mixer(
     name="{name}",
     config_cls=ToyConfig,
@@ -59,6 +68,7 @@ MIXER = Mixer(
     extra_flops_per_token=extra_flops_per_token,
     extra_params=extra_params,
     saved_activations=saved_activations,
+    step_work=step_work,
 )
 '''
 
@@ -148,6 +158,24 @@ def test_help_lists_the_toy_without_torch(toy, toy_path):
     mixers = [f"{n}*" if n == "vanilla" else n for n in available()]
     assert f"  mixer: {', '.join(mixers)}" in lines and "toy" in mixers
     assert "mixer=toy options:" in lines and "  mixer.gate_bias: float = 4.0" in lines
+
+
+def test_the_roofline_and_the_gpu_bench_matrix_take_the_toy(toy):
+    """Its own op calls in the roofline's step floor (its ``step_work`` hook) and its rows
+    in ``tools/gpu_bench.py --smoke``'s matrix, with no edit there (nothing runs)."""
+    from depthmix.bench.roofline import step_extra_floor
+    from depthmix.config.load import compose_run
+    from tools_modules import load_tool
+
+    run = compose_run("model=tiny", "mixer=toy", "train.micro_batch_size=2",
+                      "train.global_batch_size=2")
+    floor = step_extra_floor(run)
+    assert list(floor.ops) == ["toy gate"] and floor.seconds > 0
+    assert floor.ops["toy gate"]["calls"] == 2 * run.model.num_layers
+    tool = load_tool("gpu_bench")
+    smoke = tool.Matrix(tool.parse_args(["--smoke"]), {})
+    assert "toy" in smoke.mixers
+    assert ("toy", "torch", "eager") in tool.mixer_rows(smoke, smoke.mixer_modes)
 
 
 # test file -> its tests that must run the toy (or check it among every mixer) and pass

@@ -8,9 +8,10 @@ from functools import lru_cache
 import pytest
 import torch
 
+from depthmix.mixers import mixer_of
+from depthmix.mixers.base import Variant
 from depthmix.planning import flops as acc
 from depthmix.planning import memory
-from depthmix.mixers.base import Variant
 from depthmix.testing import build_model, tiny_run, variant_cases, variant_run
 
 
@@ -24,7 +25,7 @@ def test_flops_match_torch_flop_counter(megatron_single):
     model = build_model(run)
     b, s = 2, run.model.seq_length
     ids = torch.randint(0, run.model.vocab_size, (b, s))
-    f = acc.flops_per_token(run)
+    f = acc.flops_per_token(run, mixer_of(run))
     with FlopCounterMode(display=False) as counter:
         model(ids)
     assert counter.get_total_flops() == (f["linear"] + f["head"]) * b * s
@@ -39,35 +40,34 @@ def test_flops_match_torch_flop_counter(megatron_single):
 
 def test_looped_model_counts_unrolled_layers():
     run = tiny_run()
-    once = acc.flops_per_token(run)
+    once = acc.flops_per_token(run, mixer_of(run))
     run.model.n_loops = 3
-    looped = acc.flops_per_token(run)
+    looped = acc.flops_per_token(run, mixer_of(run))
     assert looped["linear"] == 3 * once["linear"] and looped["attention"] == 3 * once["attention"]
     assert looped["head"] == once["head"]
 
 
-def test_mixer_hook_is_added(monkeypatch):
+def test_mixer_hook_is_added():
     from depthmix.mixers import base, get_mixer
 
     run = tiny_run()
-    plain, plain_params = acc.flops_per_token(run), acc.total_params(run)
     vanilla = get_mixer("vanilla")
+    plain, plain_params = acc.flops_per_token(run, vanilla), acc.total_params(run, vanilla)
     patched = dataclasses.replace(
         vanilla, extra_flops_per_token=lambda config: 1000.0 * config.num_layers,
         extra_params=lambda config, tp=1: base.ExtraParams(
             layers=tuple(range(config.num_layers)), stem=7, head=11))
-    monkeypatch.setattr(acc, "mixer_of", lambda run: patched)
-    f = acc.flops_per_token(run)
+    f = acc.flops_per_token(run, patched)
     assert f["mixer"] == 4000.0 and f["train"] == plain["train"] + 3 * 4000.0
-    assert acc.total_params(run) == plain_params + (0 + 1 + 2 + 3) + 7 + 11
+    assert acc.total_params(run, patched) == plain_params + (0 + 1 + 2 + 3) + 7 + 11
 
 
 def test_parameter_count_matches_the_model(megatron_single):
     run = tiny_run()
     model = build_model(run)
     numel = sum(p.numel() for p in model.parameters())
-    assert acc.total_params(run) == numel
-    (only,) = memory.estimate(run, world_size=1)
+    assert acc.total_params(run, mixer_of(run)) == numel
+    (only,) = memory.estimate(run, mixer_of(run), world_size=1)
     assert only.params == numel
 
 
@@ -152,11 +152,11 @@ def test_parameter_count_matches_every_mixer(megatron_single, variant):
     per-layer parameters, stem and head attributed to the right stage)."""
     run = case_run(variant)
     model = built(variant)
-    assert acc.total_params(run) == sum(p.numel() for p in model.parameters())
+    assert acc.total_params(run, mixer_of(run)) == sum(p.numel() for p in model.parameters())
     layers = run.model.num_layers
     for tp, pp, vp in ((1, 1, 1), (2, 2, 1), (2, 2, layers // 2)):
         run.parallel.tp, run.parallel.pp, run.parallel.vp = tp, pp, vp if vp > 1 else None
-        estimate = memory.estimate(run, world_size=tp * pp)
+        estimate = memory.estimate(run, mixer_of(run), world_size=tp * pp)
         assert [e.params for e in estimate] == _stage_params(run, model, tp, pp, vp), (tp, pp, vp)
 
 
@@ -246,7 +246,7 @@ def test_mixer_flops_match_the_model(megatron_single, variant, monkeypatch):
     model = built(variant)
     calls = _record_depth_ops(model, monkeypatch)
     counted = _counted_per_token(model, run) - _counted_per_token(built(variant, "vanilla"), run)
-    f = acc.flops_per_token(run)
+    f = acc.flops_per_token(run, mixer_of(run))
 
     unseen = sum(calls)  # depth_attn, attnres, denseformer
     if name == "ddl":
@@ -278,11 +278,13 @@ def test_every_mixer_adds_flops_and_params_at_3b():
     from depthmix.config.load import compose_run
     from depthmix.mixers import available
 
-    vanilla = acc.total_params(compose_run("model=3b"))
+    from depthmix.mixers import get_mixer
+
+    vanilla = acc.total_params(compose_run("model=3b"), get_mixer("vanilla"))
     for name in available():
         run = compose_run("model=3b", f"mixer={name}")
-        f = acc.flops_per_token(run)
-        extra = acc.total_params(run) - vanilla
+        f = acc.flops_per_token(run, mixer_of(run))
+        extra = acc.total_params(run, mixer_of(run)) - vanilla
         if name == "vanilla":
             assert f["mixer"] == 0 and extra == 0
         else:

@@ -7,9 +7,13 @@ import functools
 
 import pytest
 
+from depthmix.mixers import get_mixer
 from depthmix.planning import calibration as cal
 
-compare = functools.lru_cache(maxsize=None)(cal.compare)
+
+@functools.lru_cache(maxsize=None)
+def compare(row):
+    return cal.compare(row, get_mixer("vanilla"))
 
 
 @pytest.mark.parametrize("row", cal.ROWS, ids=lambda r: f"{r.name}-{r.gpus}x{r.gpu}")

@@ -13,6 +13,7 @@ import pytest
 
 from depthmix.cli.plan import main as plan_main
 from depthmix.config.load import compose_run
+from depthmix.mixers import get_mixer
 from depthmix.planning import gpu_runs, step_time
 from depthmix.planning import planner as plan
 from depthmix.planning.flops import flops_per_token
@@ -38,7 +39,8 @@ def _step_row(run, ms: float, mode: str = "compiled") -> dict:
             "model": _model(run), "mixer": "vanilla", "impl": None, "mixer_options": {},
             "mode": mode, "micro_batch": mb, "precision": run.train.precision, "settings": {},
             "params": 1, "steps": 4, "ms_per_step": ms, "tokens_per_s": mb * seq / ms * 1e3,
-            "flops_per_token": flops_per_token(run)["train"], "flops_per_token_causal": 1.0,
+            "flops_per_token": flops_per_token(run, get_mixer("vanilla"))["train"],
+            "flops_per_token_causal": 1.0,
             "peak_tflops": H100.tflops["bf16"], "mfu": 0.3, "mfu_causal": 0.25,
             "peak_memory_gib": 10.0, "profile": None}
 
@@ -55,7 +57,8 @@ def synthetic_run_file(shapes) -> dict:
         run.train.micro_batch_size = run.train.global_batch_size = mb
         m = run.model
         tokens, work = mb * m.seq_length, mb * m.seq_length * m.hidden_size ** 2
-        compute = flops_per_token(run)["train"] * tokens / (H100.tflops["bf16"] * 1e12 * MFU)
+        flops = flops_per_token(run, get_mixer("vanilla"))["train"]
+        compute = flops * tokens / (H100.tflops["bf16"] * 1e12 * MFU)
         seconds = compute * (1 + HALF_WORK / work) + STAGE
         rows.append(_step_row(run, seconds * 1e3))
     env = {k: None for k in gpu_runs.ENVIRONMENT_KEYS}
@@ -116,7 +119,8 @@ def test_fitted_constants_reach_the_planner(synthetic, tmp_path, monkeypatch):
     run = compose_run("model=1p5b", "model.num_layers=4", "train.precision=bf16",
                       "train.micro_batch_size=2", "train.global_batch_size=2")
     lay = plan.Layout(1, 1, None, 1, 2, "none", False, False)
-    predicted = plan.evaluate(run, lay, plan.Cluster(gpus=1, gpu="h100")).step_seconds
+    predicted = plan.evaluate(run, get_mixer("vanilla"), lay,
+                              plan.Cluster(gpus=1, gpu="h100")).step_seconds
     assert predicted * 1e3 == pytest.approx(row["ms_per_step"], rel=1e-6)
 
 

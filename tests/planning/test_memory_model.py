@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from depthmix.mixers import available
+from depthmix.mixers import available, mixer_of
 from depthmix.planning import memory
 from depthmix.testing import spawn, tiny_run
 
@@ -60,7 +60,7 @@ def measured(request):
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c[0]}-{c[1]}")
 def test_memory_model_matches_measurement(measured, case):
     run = _run(*case)
-    model = memory.estimate(run, world_size=2)
+    model = memory.estimate(run, mixer_of(run), world_size=2)
     distopt = run.parallel.distributed_optimizer
     for rank in measured[case]:
         est = model[rank["pp_rank"]]

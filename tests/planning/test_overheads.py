@@ -5,7 +5,7 @@ without one here fails :func:`test_closed_forms`, asking for it."""
 import pytest
 
 from depthmix.config.load import compose_run
-from depthmix.mixers import available
+from depthmix.mixers import available, get_mixer
 from depthmix.planning import flops as accounting
 from depthmix.cli.overheads import main
 from depthmix.planning.overheads import overheads
@@ -55,20 +55,21 @@ def test_closed_forms(preset, mixer):
                     "I/O and state elements per token from the method's definition")
     L, d, dkv = PRESETS[preset]
     run = compose_run(f"model={preset}", f"mixer={mixer}", "parallel.pp=4")
-    got = overheads(run, PREFILL, E)
+    got = overheads(run, get_mixer(mixer), PREFILL, E)
     io, state = CLOSED[mixer](L, d, dkv)
     assert got.io_bytes_per_token == io * E
     assert got.state_bytes == state * PREFILL * E
     # FLOPs and parameters are the training accounting's own numbers
-    assert got.flops_per_token == accounting.flops_per_token(run)["mixer"]
-    assert got.params == accounting.total_params(run) - accounting.total_params(
-        compose_run(f"model={preset}", "mixer=vanilla"))
+    assert got.flops_per_token == accounting.flops_per_token(run, get_mixer(mixer))["mixer"]
+    assert got.params == accounting.total_params(run, get_mixer(mixer)) - accounting.total_params(
+        compose_run(f"model={preset}", "mixer=vanilla"), get_mixer("vanilla"))
 
 
 def test_depth_attention_claims_at_3b():
     """The paper's claims: under 0.01% extra FLOPs, no extra persistent state; its pipeline
     boundary into layer 36 carries k_0, v_0, k_24, v_24 (4 x seq x d_kv)."""
-    got = overheads(compose_run("model=3b", "mixer=depth_attn", "parallel.pp=4"), PREFILL, E)
+    got = overheads(compose_run("model=3b", "mixer=depth_attn", "parallel.pp=4"),
+                    get_mixer("depth_attn"), PREFILL, E)
     assert got.flops_share < 1e-4
     assert got.state_bytes == 0 and got.params == 0
     assert got.pipeline_bytes == 4 * 2048 * 512 * E

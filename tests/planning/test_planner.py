@@ -8,6 +8,7 @@ import pytest
 from depthmix.cli.plan import main as plan_main
 from depthmix.cli.train import dry_run
 from depthmix.config.load import compose_run
+from depthmix.mixers import mixer_of
 from depthmix.planning import flops as acc
 from depthmix.planning import planner as plan
 from depthmix.planning import step_time
@@ -40,9 +41,9 @@ def _hand_times(cluster: plan.Cluster):
     c = step_time.constants(kind.name)  # the defaults, or the measured runs' fit
     w = 1 * m.seq_length * m.hidden_size * m.hidden_size
     eta = w / (w + c.gemm_half_work)
-    compute = (acc.flops_per_token(run)["train"] * t.global_batch_size * m.seq_length
-               / (2 * kind.peak_tflops * 1e12 * kind.mfu * eta))
-    dp_bytes = acc.total_params(run) * (4 + 2) * (1 / 2)
+    compute = (acc.flops_per_token(run, mixer_of(run))["train"] * t.global_batch_size
+               * m.seq_length / (2 * kind.peak_tflops * 1e12 * kind.mfu * eta))
+    dp_bytes = acc.total_params(run, mixer_of(run)) * (4 + 2) * (1 / 2)
     dp2 = compute + (t.global_batch_size // 2) * c.stage_seconds \
         + dp_bytes / (kind.network_gbs * 1e9)
     micro = t.global_batch_size  # micro batch 1, one pipeline
@@ -56,7 +57,8 @@ def _hand_times(cluster: plan.Cluster):
 def test_picks_the_layout_a_hand_calculation_says_is_fastest(network_gbs):
     cluster = plan.Cluster(gpus=2, nodes=2, network_gbs=network_gbs, micro_batch_sizes=(1,))
     dp2, pp2 = _hand_times(cluster)
-    fitting, _ = plan.plan(compose_run(*TINY), cluster)
+    run = compose_run(*TINY)
+    fitting, _ = plan.plan(run, mixer_of(run), cluster)
     best = fitting[0]
     expected = "dp" if dp2 < pp2 else "pp"
     assert (best.layout.dp, best.layout.pp) == ((2, 1) if expected == "dp" else (1, 2))
@@ -69,7 +71,7 @@ def test_larger_micro_batches_run_closer_to_the_large_gemm_mfu():
     per-micro-batch cost with the number of micro-batches."""
     cluster = plan.Cluster(gpus=1, micro_batch_sizes=(1, 4))
     run = compose_run(*TINY)
-    _, everyone = plan.plan(run, cluster)
+    _, everyone = plan.plan(run, mixer_of(run), cluster)
     by_mb = {c.layout.micro_batch: c for c in everyone if c.layout.recompute == "none"}
     w = run.model.seq_length * run.model.hidden_size ** 2
     half = step_time.constants(cluster.kind().name).gemm_half_work
@@ -90,10 +92,10 @@ def test_overlap_leaves_the_last_bucket_and_what_backward_cannot_hide(overlap, m
     run = compose_run(*TINY, f"parallel.overlap_grad_reduce={str(overlap).lower()}")
     for network_gbs in (1e-3, 1e6):  # communication far slower / far faster than compute
         cluster = plan.Cluster(gpus=2, nodes=2, network_gbs=network_gbs, micro_batch_sizes=(1,))
-        _, everyone = plan.plan(run, cluster)
+        _, everyone = plan.plan(run, mixer_of(run), cluster)
         dp2 = next(c for c in everyone if c.layout.dp == 2 and c.layout.recompute == "none"
                    and not c.layout.distributed_optimizer)
-        params = acc.total_params(run)
+        params = acc.total_params(run, mixer_of(run))
         bw = network_gbs * 1e9
         reduce = params * 2 * 4 * (1 / 2) / bw
         backward = dp2.seconds["compute"] * 2 / 3 / (run.train.global_batch_size // 2)

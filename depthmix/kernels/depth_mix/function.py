@@ -22,8 +22,8 @@ from torch import Tensor
 
 from depthmix.kernels._common import KernelOp, absent, acc_dtype, empty_like_contiguous, present
 from depthmix.kernels.depth_mix.reference import Sources
-from depthmix.mixers.depth_attn import MIX_RULES, MIXED_STATES
 from depthmix.kernels.depth_mix.triton import depth_mix_bwd, depth_mix_fwd
+from depthmix.kernels.modes import MIX_RULES, MIXED_STATES
 
 
 def _views(inputs: Sequence[Tensor], stacked: bool) -> Tuple[Tensor, ...]:

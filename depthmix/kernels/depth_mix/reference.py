@@ -33,7 +33,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from depthmix.mixers.depth_attn import MIX_RULES, MIXED_STATES
+from depthmix.kernels.modes import MIX_RULES, MIXED_STATES
 
 
 Sources = Union[Tensor, Sequence[Tensor], None]

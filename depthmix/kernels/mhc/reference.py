@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from depthmix.mixers.mhc import VARIANTS
+from depthmix.kernels.modes import MHC_VARIANTS as VARIANTS
 
 
 def _acc(t: Tensor) -> Tensor:
@@ -58,7 +58,7 @@ def mhc_coefficients(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
 
     Args:
         x: streams ``[..., n, h]``.
-        phi: ``[n*h, m]`` dynamic projection (``m``: ``depthmix.mixers.mhc.coefficient_width``).
+        phi: ``[n*h, m]`` dynamic projection (``m = 2n + n^2``, ``2n`` for ``identity``).
         alpha: gates ``[3]`` (pre, post, res) or ``[2]`` for ``identity``.
         bias: static biases ``[m]``.
         variant: ``mhc`` (Xie et al. 2025):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from depthmix.mixers.base import SUMMED, ExtraParams, Mixer, MixerConfig, SavedActivations
-from depthmix.mixers.base import LOOPED, Variant, model_hook
+from depthmix.mixers.base import LOOPED, OpCall, Variant, model_hook
 from depthmix.config.schema import ConfigError
 from depthmix.planning.depth_plan import STEM, DepthState, Entry
 
@@ -274,10 +274,19 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
         layers[geo.layer_of(i)] = layers.get(geo.layer_of(i), 0.0) + per_read(i)
     return SavedActivations(layers=layers, head=per_read(geo.head))
 
+
+def step_work(config, tokens: int) -> List[OpCall]:
+    """One ``attnres`` read per sublayer and the head, over its ``S_i`` sources."""
+    geo = AttnResGeometry.from_config(config)
+    return [OpCall("attnres", "head" if i == geo.head else f"sublayer {i}", "attnres.work",
+                   (tokens, config.hidden_size, len(geo.sources(i))))
+            for i in range(1, geo.head + 1)]
+
+
 _HOOKS = dict(plan=attnres_plan, model_spec=model_hook(__name__, "get_attnres_model_spec"),
               kernels=("attnres",), extra_flops_per_token=extra_flops_per_token,
               extra_io_per_token=extra_io_per_token, extra_params=extra_params,
-              saved_activations=saved_activations)
+              saved_activations=saved_activations, step_work=step_work)
 MIXER_FULL = Mixer(name="attnres_full", config_cls=AttnResConfig, **_HOOKS,
                    variants=(Variant(recompute_rtol=SUMMED),))
 MIXER_BLOCK = Mixer(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import List
 
 from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, SavedActivations, Variant
-from depthmix.mixers.base import LOOPED, model_hook
+from depthmix.mixers.base import LOOPED, OpCall, model_hook
 from depthmix.config.schema import ConfigError
 from depthmix.planning.depth_plan import STEM, Entry
 
@@ -99,11 +99,26 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
     return SavedActivations(layers={u: per for u in range(config.unrolled_layers)},
                             head=h * dv / t)
 
+
+def step_work(config, tokens: int) -> List[OpCall]:
+    """Per sublayer the read ``X r`` and the delta update, as the ``ddl`` kernel op counts
+    them (the update also reads ``F(x_in)``, ``x_in`` and keeps ``6 + 3 d_v`` fp32
+    statistics a token); the stem's replication and the head's read-out."""
+    t, h, dv = tokens, config.hidden_size, config.mixer.value_channels
+    calls = []
+    for i in range(1, 2 * config.unrolled_layers + 1):
+        calls += [OpCall("ddl read", f"sublayer {i}", "ddl.read_work", (t, h, dv)),
+                  OpCall("ddl update", f"sublayer {i}", "ddl.write_work", (t, h, dv))]
+    return calls + [OpCall("ddl stem/head", "stem", "elementwise", (t * h, t * h * dv, 0)),
+                    OpCall("ddl stem/head", "head", "elementwise",
+                           (t * h * dv, t * h, 2 * t * h * dv))]
+
+
 MIXER = Mixer(
     name="ddl", config_cls=DDLConfig, plan=ddl_plan,
     model_spec=model_hook(__name__, "get_ddl_model_spec"), kernels=("ddl",),
     extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
-    extra_params=extra_params, saved_activations=saved_activations,
+    extra_params=extra_params, saved_activations=saved_activations, step_work=step_work,
     variants=(
         Variant(checks=("accounting", "generate", "parity", "kernels")),
         Variant("vc3", {"value_channels": 3}, checks=("decode", "recompute", "transport")),

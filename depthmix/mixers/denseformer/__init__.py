@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import List
 
 from depthmix.mixers.base import LOOPED, SUMMED, ExtraParams, Mixer, MixerConfig, Variant
-from depthmix.mixers.base import model_hook
+from depthmix.mixers.base import OpCall, model_hook
 from depthmix.mixers.base import SavedActivations
 from depthmix.planning.depth_plan import STEM, Entry
 
@@ -133,11 +133,22 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
         i - 1: config.hidden_size / t
         for i in range(1, config.unrolled_layers + 1) if geo.has_dwa(i)})
 
+
+def step_work(config, tokens: int) -> List[OpCall]:
+    """Per DWA the weighted sum of its ``|S(i)|`` sources: read them, write the average
+    (``2 h`` FLOPs a source and token); backward ``dY`` and the sources in, their gradients
+    out."""
+    geo, th = DWAGeometry.from_config(config), tokens * config.hidden_size
+    return [OpCall("dwa", f"block {i}", "elementwise",
+                   (th * len(geo.sources(i)), th, 2 * th * len(geo.sources(i))))
+            for i in range(1, geo.num_blocks + 1) if geo.has_dwa(i)]
+
+
 MIXER = Mixer(
     name="denseformer", config_cls=DenseFormerConfig, plan=denseformer_plan,
     model_spec=model_hook(__name__, "get_denseformer_model_spec"),
     extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
-    extra_params=extra_params, saved_activations=saved_activations,
+    extra_params=extra_params, saved_activations=saved_activations, step_work=step_work,
     variants=(
         Variant(checks=("accounting", "generate", "parity")),
         Variant("k2p1", {"dilation": 2, "period": 1}, checks=("decode", "recompute", "transport"),

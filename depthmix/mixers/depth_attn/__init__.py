@@ -9,16 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Optional, Tuple
 
-from depthmix.mixers.base import LOOPED, SUMMED, Mixer, MixerConfig, Variant, model_hook
+from depthmix.mixers.base import LOOPED, SUMMED, Mixer, MixerConfig, OpCall, Variant, model_hook
 from depthmix.mixers.base import residual_stream_entry
 from depthmix.mixers.base import SavedActivations
 from depthmix.config.schema import ConfigError
+from depthmix.kernels.modes import MIX_RULES, MIXED_STATES
 from depthmix.planning.depth_plan import Entry
 
 
 SOURCE_MODES = ("anchored", "relative")
-MIX_RULES = ("softmax", "uniform")
-MIXED_STATES = ("value", "key", "key_value")
 
 
 # ---- which layers feed which --------------------------------------------------------------
@@ -228,12 +227,24 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
         u: 2 * kv * dh + kv * (len(schedule.sources(u)) + 1)
         for u in range(config.unrolled_layers) if schedule.sources(u)})
 
+
+def step_work(config, tokens: int) -> List[OpCall]:
+    """One ``depth_mix`` per layer with ``|S(l)| > 0`` sources (softmax over the sources'
+    keys, mixed values: the kernel benchmark's options)."""
+    schedule = DepthSchedule.from_config(config)
+    heads, d = config.num_attention_heads, config.kv_channels
+    g = heads // config.num_query_groups
+    return [OpCall("depth_mix", f"layer {u}", "depth_mix.work",
+                   (tokens, heads, g, d, len(schedule.sources(u))))
+            for u in range(config.unrolled_layers) if schedule.sources(u)]
+
+
 MIXER = Mixer(
     name="depth_attn", config_cls=DepthAttnConfig, plan=depth_attn_plan,
     model_spec=model_hook(__name__, "get_depth_attn_model_spec"), kernels=("depth_mix",),
     extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
     extra_state_per_token=lambda config: 0, saved_activations=saved_activations,
-    view_entries=view_entries,
+    view_entries=view_entries, step_work=step_work,
     variants=(
         Variant(checks=("accounting", "generate")),
         Variant("s1", {"stride": 1}, checks=("decode", "recompute", "parity", "kernels"),

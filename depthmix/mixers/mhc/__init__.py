@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Dict, List, Tuple
 
 from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, Variant, model_hook
-from depthmix.mixers.base import SavedActivations
+from depthmix.mixers.base import OpCall, SavedActivations
+from depthmix.kernels.modes import MHC_VARIANTS as VARIANTS
 from depthmix.planning.depth_plan import STEM, Entry
-
-VARIANTS = ("mhc", "hc", "identity")
 
 STREAMS = "streams"
 """Depth-state name of the ``n`` residual streams ``[s, b, n, h]``."""
@@ -115,11 +114,27 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
     t = tp if config.sequence_parallel else 1
     return SavedActivations(layers={u: 2 * per / t for u in range(config.unrolled_layers)})
 
+
+def step_work(config, tokens: int) -> List[OpCall]:
+    """Per sublayer the read (coefficients, Sinkhorn, ``H_pre X``) and the post/res
+    update, as the ``mhc`` kernel op counts them; the stem's copy into ``n`` streams and
+    the head's mean."""
+    mc, t, h = config.mixer, tokens, config.hidden_size
+    n, m = mc.streams, coefficient_width(mc.variant, mc.streams)
+    iters = mc.sinkhorn_iters if mc.variant == "mhc" else 0
+    calls = []
+    for i in range(1, 2 * config.unrolled_layers + 1):
+        calls += [OpCall("mhc read", f"sublayer {i}", "mhc.read_work", (t, n, h, m, iters)),
+                  OpCall("mhc post/res", f"sublayer {i}", "mhc.post_res_work", (t, n, h))]
+    return calls + [OpCall("mhc stem/head", "stem", "elementwise", (t * h, t * n * h, 0)),
+                    OpCall("mhc stem/head", "head", "elementwise", (t * n * h, t * h, t * n * h))]
+
+
 MIXER = Mixer(
     name="mhc", config_cls=MHCConfig, plan=mhc_plan,
     model_spec=model_hook(__name__, "get_mhc_model_spec"), kernels=("mhc",),
     extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
-    extra_params=extra_params, saved_activations=saved_activations,
+    extra_params=extra_params, saved_activations=saved_activations, step_work=step_work,
     variants=(
         Variant(checks=("accounting", "generate")),
         Variant("n3", {"streams": 3}, checks=("decode", "recompute")),

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar, Dict, List, Optional, Tuple
 
-from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, SavedActivations, Variant
+from depthmix.mixers.base import ExtraParams, Mixer, MixerConfig, OpCall, SavedActivations
+from depthmix.mixers.base import Variant
 from depthmix.mixers.base import LOOPED, model_hook, plan_state_per_token, residual_stream_entry
 from depthmix.config.schema import ConfigError
 from depthmix.planning.depth_plan import HIDDEN, Entry
@@ -276,12 +277,28 @@ def saved_activations(config, tp: int, micro_batch: int) -> SavedActivations:
                 config.hidden_size / t + 3 * kv * dh + kv + 2 * dh / micro_batch)
     return SavedActivations(layers=layers)
 
+
+def step_work(config, tokens: int) -> List[OpCall]:
+    """Per layer, ``moda_attention`` with the ``D_l`` depth entries it reads less the same
+    kernel with none (the plain causal attention vanilla runs), then one ``h x 2 H_kv d_h``
+    GEMM per projected depth entry."""
+    geo = MoDAGeometry.from_config(config)
+    heads, ng, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    calls = [OpCall("moda depth entries", f"layer {u}", "moda_attention.depth_work",
+                    (tokens, heads, heads // ng, d, len(geo.visible(u))))
+             for u in range(geo.unrolled) if geo.visible(u)]
+    calls += [OpCall("moda kv projection", str(s.name), "gemm",
+                     (tokens, config.hidden_size, 2 * ng * d))
+              for s in geo.stored_sources() if _projects(config, s.kind)]
+    return calls
+
+
 MIXER = Mixer(
     name="moda", config_cls=MoDAConfig, plan=moda_plan,
     model_spec=model_hook(__name__, "get_moda_model_spec"), kernels=("moda_attention",),
     extra_flops_per_token=extra_flops_per_token, extra_io_per_token=extra_io_per_token,
     extra_state_per_token=extra_state_per_token, extra_params=extra_params,
-    saved_activations=saved_activations, view_entries=view_entries,
+    saved_activations=saved_activations, view_entries=view_entries, step_work=step_work,
     variants=(
         Variant(prefill=1, checks=("decode", "recompute", "transport", "accounting", "generate",
                                    "kernels")),

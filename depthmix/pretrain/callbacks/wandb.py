@@ -118,7 +118,7 @@ class WandbLogger(Callback):
         config = to_container(run)
         config["layout"] = {"world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp,
                             "vp": topo.vp, "dp": topo.dp}
-        config["flops_per_token"] = flops_per_token(run, trainer.config)
+        config["flops_per_token"] = flops_per_token(run, trainer.mixer, trainer.config)
         config["resumed_from"] = state.resumed_from
         point = sweep.current()
         group = lg.group or read_group(state.save_dir) or default_group(run, point)
