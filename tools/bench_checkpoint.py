@@ -94,6 +94,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from depthmix import runtime
+    from depthmix.planning.units import fmt_bytes
     from depthmix.testing import init_single_process
 
     out = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
           "| async: written after | load (full resume) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['shape']} | {r['params'] / 1e6:.1f} M | {r['bytes'] / 2**20:.0f} MiB "
+        print(f"| {r['shape']} | {r['params'] / 1e6:.1f} M | {fmt_bytes(r['bytes'], 'MiB', 0)} "
               f"| {r['sync']:.3f} s | {r['blocked']:.3f} s | {r['blocked'] / r['sync']:.2f} "
               f"| {r['written']:.3f} s | {r['load']:.3f} s |")
 

@@ -40,8 +40,7 @@ import time
 from types import SimpleNamespace
 
 from depthmix.cli.command import ArgumentParser, DefaultsFormatter
-
-PRECISIONS = ("fp32", "bf16", "fp16")
+from depthmix.config.validate import PRECISIONS
 
 
 def parse_args(argv=None):
@@ -75,13 +74,13 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_mixers import build_runs  # noqa: E402  (tools/ is not a package)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from depthmix.runtime.precision import torch_dtype  # noqa: E402
 
 
 def build_models(args):
     """(label, model) in round-robin order: vanilla first."""
-    from depthmix.testing import build_model
     from depthmix.pretrain.parallelize import init_distributed
+    from depthmix.testing import build_model
 
     runs = build_runs(SimpleNamespace(
         mixers=args.mixers, impl=args.impl, model=args.model, option=args.option,
@@ -99,7 +98,7 @@ def build_models(args):
         else torch.device("cpu")
     models = []
     for label, run in labelled:
-        model = build_model(run, dtype=DTYPES[args.precision]).eval()
+        model = build_model(run, dtype=torch_dtype(args.precision)).eval()
         models.append((label, model.to(device) if args.resident else model))
     return models, device
 
@@ -164,7 +163,7 @@ def cache_bytes(cache) -> int:
 
 def depth_state_bytes_per_token(model, precision: str) -> int:
     """Peak over layer boundaries of the depth state one token carries (from the plan)."""
-    size = DTYPES[precision].itemsize
+    size = torch_dtype(precision).itemsize
     plan = model.plan
     return max(sum(e.numel_per_token for e in plan.live_at(b)) * size
                for b in range(plan.num_layers + 1))

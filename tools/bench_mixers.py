@@ -30,6 +30,7 @@ import time
 from collections import Counter
 
 from depthmix.cli.command import ArgumentParser, DefaultsFormatter
+from depthmix.config.validate import PRECISIONS
 
 
 def parse_args():
@@ -40,7 +41,7 @@ def parse_args():
     p.add_argument("--layers", type=int, default=None, help="override num_layers")
     p.add_argument("--seq", type=int, default=None, help="override seq_length")
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--steps", type=int, default=8, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--recompute", action="store_true")
