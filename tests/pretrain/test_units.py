@@ -1,7 +1,8 @@
-"""Small pure functions: the run key (one output directory per job), SLURM node lists and
-environment, the PNG writer, depth-statistics summaries."""
+"""Small pure functions: the run key (one output directory per job), the SLURM
+environment (its node list through scontrol), the PNG writer, depth-statistics summaries."""
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from depthmix.pretrain.callbacks import depth_stats
 from depthmix.runtime import env as launch_env
 
+from cli_runs import FAKE_SLURM
 from png_files import read_png
 
 
@@ -29,26 +31,26 @@ def test_run_key_is_shared_by_the_ranks_of_one_job():
     assert launch_env.run_key({}).startswith("local/" + time.strftime("%Y-%m-%d"))
 
 
-def test_expand_nodelist():
-    assert launch_env.expand_nodelist("node[001-003,007],gpu5") == \
-        ["node001", "node002", "node003", "node007", "gpu5"]
-    assert launch_env.expand_nodelist("a1") == ["a1"]
-    assert launch_env.expand_nodelist("h[9-11]") == ["h9", "h10", "h11"]
-
-
 def test_master_port_is_derived_from_the_job_id():
     assert launch_env.master_port("4242") == 24242
     assert launch_env.master_port("123456789") == 20000 + 456789 % 20000
     assert 20000 <= launch_env.master_port("12_3") < 40000
 
 
-def test_distributed_env_from_srun_tasks():
+@pytest.mark.multiproc(at_once=1)
+def test_distributed_env_from_srun_tasks(tmp_path, monkeypatch):
+    """MASTER_ADDR is the first host SLURM's ``scontrol show hostnames`` names for the job's
+    node list (the fake one records the call and answers with FAKE_SLURM_HOSTNAMES)."""
+    monkeypatch.setenv("PATH", os.pathsep.join([FAKE_SLURM, os.environ["PATH"]]))
+    monkeypatch.setenv("FAKE_SLURM_DIR", str(tmp_path))
+    monkeypatch.setenv("FAKE_SLURM_HOSTNAMES", "gpu01 gpu02")
     env = {"SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1",
            "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "4242",
            "SLURM_NTASKS_PER_NODE": "8(x2)"}
     assert launch_env.ensure_distributed_env(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("9", "16", "1")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("gpu01", "24242")
+    assert (tmp_path / "calls").read_text().splitlines() == ["scontrol show hostnames gpu[01-02]"]
     assert env["LOCAL_WORLD_SIZE"] == "8"
     assert launch_env.launcher_rank(env) == 9
     torchrun = {"RANK": "3", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
