@@ -1,5 +1,5 @@
 """Small pure functions: the run key (one output directory per job), the SLURM
-environment (its node list through scontrol), the PNG writer, depth-statistics summaries."""
+environment (its node list through scontrol), the heatmaps, depth-statistics summaries."""
 
 import logging
 import os
@@ -13,7 +13,6 @@ from depthmix.pretrain.callbacks import depth_stats
 from depthmix.runtime import env as launch_env
 
 from cli_runs import FAKE_SLURM
-from png_files import read_png
 
 
 def test_run_key_is_shared_by_the_ranks_of_one_job():
@@ -75,23 +74,20 @@ def test_nonzero_ranks_are_quiet(tmp_path):
         logging.getLogger("depthmix").setLevel(logging.NOTSET)
 
 
-def test_png_round_trip():
-    rng = np.random.default_rng(0)
-    rgb = rng.integers(0, 256, (7, 5, 3), dtype=np.uint8)
-    assert np.array_equal(read_png(depth_stats.png_bytes(rgb)), rgb)
-    grey = rng.integers(0, 256, (3, 9), dtype=np.uint8)
-    assert np.array_equal(read_png(depth_stats.png_bytes(grey)), grey)
-    with pytest.raises(ValueError):
-        depth_stats.png_bytes(np.zeros((2, 2, 4), dtype=np.uint8))
-
-
 def test_heatmap_colours():
+    """matplotlib's viridis from the smallest to the largest value, NaN grey, a white grid."""
+    from matplotlib import colormaps
+
     image = depth_stats.render(np.array([[0.0, 1.0], [np.nan, 0.5]]), cell=4)
-    assert image.shape == (8, 8, 3)
-    assert tuple(image[0, 0]) == (68, 1, 84)  # minimum: viridis dark purple
-    assert tuple(image[0, 4]) == (253, 231, 37)  # maximum: yellow
-    assert tuple(image[4, 0]) == (235, 235, 235)  # missing
+    assert image.shape == (8, 8, 3) and image.dtype == np.uint8
+    viridis = colormaps["viridis"]
+    assert tuple(image[0, 0]) == tuple(viridis(0.0, bytes=True)[:3]) == (68, 1, 84)
+    assert tuple(image[0, 4]) == tuple(viridis(1.0, bytes=True)[:3])  # yellow
+    assert tuple(image[4, 4]) == tuple(viridis(0.5, bytes=True)[:3])
+    assert tuple(image[4, 0]) == depth_stats.MISSING
     assert tuple(image[3, 0]) == (255, 255, 255)  # grid line
+    flat = depth_stats.render(np.array([[0.3, 0.3]]), cell=1)  # one value: the bottom colour
+    assert flat.shape == (1, 2, 3) and (flat == image[0, 0]).all()
 
 
 def test_summarise_depth_stats():
