@@ -39,6 +39,8 @@ import sys
 import time
 from types import SimpleNamespace
 
+from tabulate import tabulate
+
 from depthmix.cli.command import ArgumentParser, DefaultsFormatter
 from depthmix.config.validate import PRECISIONS
 
@@ -266,23 +268,22 @@ def measure(args):
 def table(results) -> str:
     base = results["vanilla"]
     mib = 2.0**20
-    lines = [
-        "| mixer | prefill ms | decode ms/token | total ms | prefill × | decode × | total × "
-        "| prefill peak MiB | decode peak MiB | KV cache B/token | KV extra vs vanilla "
-        "| depth state B/token | AttnRes reads/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    head = ["mixer", "prefill ms", "decode ms/token", "total ms", "prefill ×", "decode ×",
+            "total ×", "prefill peak MiB", "decode peak MiB", "KV cache B/token",
+            "KV extra vs vanilla", "depth state B/token", "AttnRes reads/token"]
+    rows = []
     for label, r in results.items():
         reads = r["reads"].get("attnres/source_reads")
-        lines.append(
-            f"| {label} | {r['prefill_s'] * 1e3:.1f} | {r['decode_s_per_token'] * 1e3:.2f} "
-            f"| {r['total_s'] * 1e3:.1f} | {r['ratio']['prefill']:.2f} "
-            f"| {r['ratio']['decode']:.2f} | {r['ratio']['total']:.2f} "
-            f"| {r['prefill_peak_bytes'] / mib:.2f} | {r['decode_peak_bytes'] / mib:.2f} "
-            f"| {r['cache_bytes_per_token']:,.0f} "
-            f"| {r['cache_bytes_per_token'] - base['cache_bytes_per_token']:+,.0f} "
-            f"| {r['depth_state_bytes_per_token']:,} | {'' if reads is None else f'{reads:g}'} |")
-    return "\n".join(lines)
+        rows.append([
+            label, f"{r['prefill_s'] * 1e3:.1f}", f"{r['decode_s_per_token'] * 1e3:.2f}",
+            f"{r['total_s'] * 1e3:.1f}", f"{r['ratio']['prefill']:.2f}",
+            f"{r['ratio']['decode']:.2f}", f"{r['ratio']['total']:.2f}",
+            f"{r['prefill_peak_bytes'] / mib:.2f}", f"{r['decode_peak_bytes'] / mib:.2f}",
+            f"{r['cache_bytes_per_token']:,.0f}",
+            f"{r['cache_bytes_per_token'] - base['cache_bytes_per_token']:+,.0f}",
+            f"{r['depth_state_bytes_per_token']:,}", "" if reads is None else f"{reads:g}"])
+    return tabulate(rows, head, tablefmt="pipe", colalign=("left", *["right"] * 12),
+                    disable_numparse=True)
 
 
 def main(argv=None):
