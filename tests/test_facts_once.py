@@ -1,7 +1,8 @@
-"""Facts written once in ``depthmix/`` (read from the source with ``ast``): the head width's
-fallback, the vocabulary padding, the devices' peak FLOP/s, the byte formatter, the
-``.idx`` header, the default save directory and the exit statuses each have one home; a
-second copy fails here, naming where it is."""
+"""Facts written once in ``depthmix/`` and ``tools/`` (read from the source with ``ast``):
+the head width's fallback, the vocabulary padding, the devices' peak FLOP/s, the byte
+formatter, the ``.idx`` header, the default save directory, the exit statuses and the
+precision names with their torch dtypes each have one home; a second copy fails here,
+naming where it is."""
 
 import ast
 import pathlib
@@ -13,6 +14,7 @@ import pytest
 import depthmix
 
 ROOT = pathlib.Path(depthmix.__file__).parent
+SOURCES = (ROOT, ROOT.parent / "tools")
 BINARY_UNITS = {"KiB", "MiB", "GiB", "TiB"}
 PEAK_TFLOPS = {989.4, 989.0, 835.0, 756.0, 494.7, 312.0}
 """Dense tensor-core peaks of the device table (H100/H200, H100 NVL, H100 PCIe, TF32, A100)."""
@@ -95,15 +97,45 @@ def exit_status(node: ast.AST) -> bool:
     return False
 
 
+PRECISION_NAMES = {"fp32", "bf16", "fp16"}
+TORCH_FLOATS = {"float32", "bfloat16", "float16"}
+
+
+def _precision_part(node: ast.AST) -> str:
+    if isinstance(node, ast.Constant) and node.value in PRECISION_NAMES:
+        return "name"
+    if (isinstance(node, ast.Constant) and node.value in TORCH_FLOATS) or (
+            _attr(node, "float32") or _attr(node, "bfloat16") or _attr(node, "float16")):
+        return "dtype"
+    return ""
+
+
+def precision_map(node: ast.AST) -> bool:
+    """The ``train.precision`` names listed (two or more in one tuple, list or set), or
+    paired with torch's dtypes or their names, either way round (two or more pairs in a
+    dict display or ``dict(...)`` keywords)."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return sum(_precision_part(n) == "name" for n in node.elts) >= 2
+    if isinstance(node, ast.Dict):
+        pairs = zip(node.keys, node.values)
+    elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "dict":
+        pairs = ((ast.Constant(k.arg), k.value) for k in node.keywords)
+    else:
+        return False
+    return sum({_precision_part(k), _precision_part(v)} == {"name", "dtype"}
+               for k, v in pairs) >= 2
+
+
 FACTS: Dict[str, tuple] = {
     # fact: (matcher, the one file that may hold it)
-    "head-width fallback": (head_dim_fallback, "config/schema.py"),
-    "vocabulary padding": (vocab_padding, "config/schema.py"),
-    "device peaks": (device_peak, "planning/hardware.py"),
-    "byte formatting": (byte_formatting, "planning/units.py"),
-    ".idx header": (idx_header, "data/index_file.py"),
-    "default save directory": (default_save_dir, "checkpoint/store.py"),
-    "exit statuses": (exit_status, "runtime/exit_codes.py"),
+    "head-width fallback": (head_dim_fallback, "depthmix/config/schema.py"),
+    "vocabulary padding": (vocab_padding, "depthmix/config/schema.py"),
+    "device peaks": (device_peak, "depthmix/planning/hardware.py"),
+    "byte formatting": (byte_formatting, "depthmix/planning/units.py"),
+    ".idx header": (idx_header, "depthmix/data/index_file.py"),
+    "default save directory": (default_save_dir, "depthmix/checkpoint/store.py"),
+    "exit statuses": (exit_status, "depthmix/runtime/exit_codes.py"),
+    "precision names and dtypes": (precision_map, "depthmix/config/validate.py"),
 }
 
 
@@ -120,8 +152,8 @@ def _nodes(tree: ast.AST) -> Iterator[ast.AST]:
 
 @lru_cache(maxsize=None)
 def _source_nodes() -> List[tuple]:
-    return [(path.relative_to(ROOT).as_posix(), list(_nodes(ast.parse(path.read_text()))))
-            for path in sorted(ROOT.rglob("*.py"))]
+    return [(path.relative_to(ROOT.parent).as_posix(), list(_nodes(ast.parse(path.read_text()))))
+            for source in SOURCES for path in sorted(source.rglob("*.py"))]
 
 
 def places(matcher: Callable[[ast.AST], bool]) -> List[str]:
@@ -148,8 +180,24 @@ def test_the_matchers_see_copies():
         "MAGIC = b'MMIDIDX\\x00\\x00'",
         "path = os.path.join(run.output_dir, 'checkpoints')",
         "EXIT_CONFIG_ERROR = 2",
+        "DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}",
     ]))
     for fact, (matcher, _) in FACTS.items():
         assert any(matcher(n) for n in _nodes(copies)), fact
     message = ast.parse("raise E(f'{m.make_vocab_size_divisible_by}, {kind.memory_gib:.1f} GiB')")
     assert not any(vocab_padding(n) or byte_formatting(n) for n in _nodes(message))
+
+
+
+def test_the_precision_matcher_sees_each_shape_of_the_map():
+    copies = ["{'fp32': torch.float32, 'bf16': torch.bfloat16}",
+              "{'float32': 'fp32', 'bfloat16': 'bf16'}",  # config.json's dtype -> ours
+              "dict(fp32=torch.float32, fp16=torch.float16)",
+              "choices=('fp32', 'bf16', 'fp16')"]
+    for copy in copies:
+        assert any(precision_map(n) for n in ast.walk(ast.parse(copy))), copy
+    not_maps = ["{'bf16': 989.4, 'fp16': 989.4, 'fp32': 67.0}",  # peaks by precision
+                "ok = dtype in (torch.float32, torch.bfloat16, torch.float16)",
+                "bf16 = precision == 'bf16'"]
+    for other in not_maps:
+        assert not any(precision_map(n) for n in ast.walk(ast.parse(other))), other

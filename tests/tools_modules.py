@@ -1,4 +1,5 @@
-"""The scripts under ``tools/`` imported as modules, for tests that call their functions."""
+"""The scripts under ``tools/`` imported as modules, for tests that call their functions, and
+the cells of the Markdown tables they (and ``summary.md``) hold."""
 
 import importlib.util
 import os
@@ -12,3 +13,10 @@ def load_tool(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def markdown_rows(text: str) -> list:
+    """The cells of a Markdown table's lines (stripped), its alignment row left out."""
+    return [[cell.strip() for cell in line.strip()[1:-1].split("|")]
+            for line in text.splitlines()
+            if line.startswith("|") and not set(line) <= set("|:- ")]

@@ -93,7 +93,10 @@ def bench(shape: str, reps: int, out: str) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from tabulate import tabulate
+
     from depthmix import runtime
+    from depthmix.planning.units import fmt_bytes
     from depthmix.testing import init_single_process
 
     out = args.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
@@ -110,13 +113,13 @@ def main(argv=None) -> None:
           f"{platform.system()}; load average (1/5/15 min) before "
           f"{'/'.join(f'{x:.2f}' for x in load_before)}, after "
           f"{'/'.join(f'{x:.2f}' for x in load_after)}; medians of {args.reps} rounds")
-    print("| shape | params | checkpoint | sync save (blocks) | async: blocks | async / sync "
-          "| async: written after | load (full resume) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['shape']} | {r['params'] / 1e6:.1f} M | {r['bytes'] / 2**20:.0f} MiB "
-              f"| {r['sync']:.3f} s | {r['blocked']:.3f} s | {r['blocked'] / r['sync']:.2f} "
-              f"| {r['written']:.3f} s | {r['load']:.3f} s |")
+    head = ["shape", "params", "checkpoint", "sync save (blocks)", "async: blocks",
+            "async / sync", "async: written after", "load (full resume)"]
+    body = [[r["shape"], f"{r['params'] / 1e6:.1f} M", fmt_bytes(r["bytes"], "MiB", 0),
+             f"{r['sync']:.3f} s", f"{r['blocked']:.3f} s", f"{r['blocked'] / r['sync']:.2f}",
+             f"{r['written']:.3f} s", f"{r['load']:.3f} s"] for r in rows]
+    print(tabulate(body, head, tablefmt="pipe", colalign=("left",) + ("right",) * 7,
+                   disable_numparse=True))
 
 
 if __name__ == "__main__":

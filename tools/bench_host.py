@@ -50,6 +50,8 @@ import statistics
 import time
 from collections import Counter
 
+from tabulate import tabulate
+
 from depthmix.cli.command import ArgumentParser, DefaultsFormatter
 
 PHASES = ("forward", "backward", "optimizer")
@@ -340,9 +342,7 @@ def table(rows) -> str:
     """Markdown: host µs and ATen calls per layer per step, forward / backward / optimizer,
     and forward + backward against vanilla's in the same mode."""
     vanilla = {r["mode"]: r for r in rows if r["mixer"] == "vanilla"}
-    out = ["| mixer | impl | mode | host µs fwd | bwd | opt | fwd+bwd | × vanilla "
-           "| ATen fwd | bwd | opt | fwd+bwd | × vanilla |",
-           "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = []
     for r in rows:
         h, c = r["host_us"], r["aten_calls"]
         base = vanilla.get(r["mode"])
@@ -352,11 +352,14 @@ def table(rows) -> str:
             ratio = f"{fb / (base['host_us']['forward'] + base['host_us']['backward']):.2f}"
             base_calls = base["aten_calls"]["forward"] + base["aten_calls"]["backward"]
             aten_ratio = f"{cfb / base_calls:.2f}"
-        out.append(f"| {r['mixer']} | {r['impl']} | {r['mode']} | {h['forward']:.0f} "
-                   f"| {h['backward']:.0f} | {h['optimizer']:.0f} | {fb:.0f} | {ratio} "
-                   f"| {c['forward']:.1f} | {c['backward']:.1f} | {c['optimizer']:.1f} "
-                   f"| {cfb:.1f} | {aten_ratio} |")
-    return "\n".join(out)
+        out.append([r["mixer"], r["impl"], r["mode"], f"{h['forward']:.0f}",
+                    f"{h['backward']:.0f}", f"{h['optimizer']:.0f}", f"{fb:.0f}", ratio,
+                    f"{c['forward']:.1f}", f"{c['backward']:.1f}", f"{c['optimizer']:.1f}",
+                    f"{cfb:.1f}", aten_ratio])
+    head = ["mixer", "impl", "mode", "host µs fwd", "bwd", "opt", "fwd+bwd", "× vanilla",
+            "ATen fwd", "bwd", "opt", "fwd+bwd", "× vanilla"]
+    return tabulate(out, head, tablefmt="pipe", colalign=("left",) * 3 + ("right",) * 10,
+                    disable_numparse=True)
 
 
 def compile_gain(rows) -> str:
@@ -429,12 +432,11 @@ def op_comparison(reps: int, clock=time.thread_time, rounds: int = 7) -> list:
 
 
 def op_table(rows) -> str:
-    out = ["| op (fwd + bwd, 1 token) | custom op µs | autograd.Function µs | ratio |",
-           "|---|---:|---:|---:|"]
-    for r in rows:
-        out.append(f"| {r['op']} | {r['custom_op_us']:.0f} | {r['function_us']:.0f} "
-                   f"| {r['function_us'] / r['custom_op_us']:.2f} |")
-    return "\n".join(out)
+    body = [[r["op"], f"{r['custom_op_us']:.0f}", f"{r['function_us']:.0f}",
+             f"{r['function_us'] / r['custom_op_us']:.2f}"] for r in rows]
+    return tabulate(body, ["op (fwd + bwd, 1 token)", "custom op µs", "autograd.Function µs",
+                           "ratio"], tablefmt="pipe", colalign=("left", "right", "right", "right"),
+                    disable_numparse=True)
 
 
 def main(argv=None):

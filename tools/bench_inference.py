@@ -39,9 +39,10 @@ import sys
 import time
 from types import SimpleNamespace
 
-from depthmix.cli.command import ArgumentParser, DefaultsFormatter
+from tabulate import tabulate
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+from depthmix.cli.command import ArgumentParser, DefaultsFormatter
+from depthmix.config.validate import PRECISIONS
 
 
 def parse_args(argv=None):
@@ -75,13 +76,13 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_mixers import build_runs  # noqa: E402  (tools/ is not a package)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from depthmix.runtime.precision import torch_dtype  # noqa: E402
 
 
 def build_models(args):
     """(label, model) in round-robin order: vanilla first."""
-    from depthmix.testing import build_model
     from depthmix.pretrain.parallelize import init_distributed
+    from depthmix.testing import build_model
 
     runs = build_runs(SimpleNamespace(
         mixers=args.mixers, impl=args.impl, model=args.model, option=args.option,
@@ -99,7 +100,7 @@ def build_models(args):
         else torch.device("cpu")
     models = []
     for label, run in labelled:
-        model = build_model(run, dtype=DTYPES[args.precision]).eval()
+        model = build_model(run, dtype=torch_dtype(args.precision)).eval()
         models.append((label, model.to(device) if args.resident else model))
     return models, device
 
@@ -164,7 +165,7 @@ def cache_bytes(cache) -> int:
 
 def depth_state_bytes_per_token(model, precision: str) -> int:
     """Peak over layer boundaries of the depth state one token carries (from the plan)."""
-    size = DTYPES[precision].itemsize
+    size = torch_dtype(precision).itemsize
     plan = model.plan
     return max(sum(e.numel_per_token for e in plan.live_at(b)) * size
                for b in range(plan.num_layers + 1))
@@ -267,23 +268,22 @@ def measure(args):
 def table(results) -> str:
     base = results["vanilla"]
     mib = 2.0**20
-    lines = [
-        "| mixer | prefill ms | decode ms/token | total ms | prefill × | decode × | total × "
-        "| prefill peak MiB | decode peak MiB | KV cache B/token | KV extra vs vanilla "
-        "| depth state B/token | AttnRes reads/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    head = ["mixer", "prefill ms", "decode ms/token", "total ms", "prefill ×", "decode ×",
+            "total ×", "prefill peak MiB", "decode peak MiB", "KV cache B/token",
+            "KV extra vs vanilla", "depth state B/token", "AttnRes reads/token"]
+    rows = []
     for label, r in results.items():
         reads = r["reads"].get("attnres/source_reads")
-        lines.append(
-            f"| {label} | {r['prefill_s'] * 1e3:.1f} | {r['decode_s_per_token'] * 1e3:.2f} "
-            f"| {r['total_s'] * 1e3:.1f} | {r['ratio']['prefill']:.2f} "
-            f"| {r['ratio']['decode']:.2f} | {r['ratio']['total']:.2f} "
-            f"| {r['prefill_peak_bytes'] / mib:.2f} | {r['decode_peak_bytes'] / mib:.2f} "
-            f"| {r['cache_bytes_per_token']:,.0f} "
-            f"| {r['cache_bytes_per_token'] - base['cache_bytes_per_token']:+,.0f} "
-            f"| {r['depth_state_bytes_per_token']:,} | {'' if reads is None else f'{reads:g}'} |")
-    return "\n".join(lines)
+        rows.append([
+            label, f"{r['prefill_s'] * 1e3:.1f}", f"{r['decode_s_per_token'] * 1e3:.2f}",
+            f"{r['total_s'] * 1e3:.1f}", f"{r['ratio']['prefill']:.2f}",
+            f"{r['ratio']['decode']:.2f}", f"{r['ratio']['total']:.2f}",
+            f"{r['prefill_peak_bytes'] / mib:.2f}", f"{r['decode_peak_bytes'] / mib:.2f}",
+            f"{r['cache_bytes_per_token']:,.0f}",
+            f"{r['cache_bytes_per_token'] - base['cache_bytes_per_token']:+,.0f}",
+            f"{r['depth_state_bytes_per_token']:,}", "" if reads is None else f"{reads:g}"])
+    return tabulate(rows, head, tablefmt="pipe", colalign=("left", *["right"] * 12),
+                    disable_numparse=True)
 
 
 def main(argv=None):

@@ -4,13 +4,19 @@
 Each op ``depthmix/bench/<op>.py`` defines ``cases(smoke: bool)`` returning
 :class:`Case` objects: a shape id, a function making fresh inputs, and candidates
 (``ours`` = the Triton kernel, ``torch`` = our PyTorch path, ``compile`` = torch.compile of
-it, and public kernels when importable). All candidates of a case run in one process,
-alternating, and the table gives ratios to ``torch`` (or to the case's ``baseline``). On a machine without CUDA only a
-smoke shape runs (through the Triton interpreter when TRITON_INTERPRET=1): it checks the
-plumbing; CPU times say nothing about GPU kernels.
+it, and public kernels when importable). All candidates of a case run in one process, one
+after another, and the table gives ratios to ``torch`` (or to the case's ``baseline``).
+
+Timing: on CUDA ``triton.testing.do_bench`` (median of CUDA-event times over ``--rep-ms``
+after ``--warmup-ms``, the L2 cache flushed before every call), on CPU
+``torch.utils.benchmark.Timer.blocked_autorange`` (median over ``--rep-ms``; its block
+estimate warms up); input gradients are cleared before each call. Peak memory: one call,
+beyond its inputs. On a machine without CUDA only a smoke shape runs (through the Triton
+interpreter when TRITON_INTERPRET=1): it checks the plumbing; CPU times say nothing about
+GPU kernels.
 
     python tools/bench_kernels.py                     # all ops
-    python tools/bench_kernels.py --ops attnres,mhc --reps 20
+    python tools/bench_kernels.py --ops attnres,mhc --rep-ms 500
     python tools/bench_kernels.py --ops depth_mix --cases T4096 --candidates ours,sdpa
     python tools/bench_kernels.py --check --cases T4096     # ours vs the fp32 reference
     python tools/bench_kernels.py --ops depth_mix --cases "op T16384-G4" --candidates ours \
@@ -22,19 +28,17 @@ gradients, and prints the largest ``||ours - ref|| / ||ref||`` over the outputs 
 the input gradients: on a GPU, the kernels' numerics at the benchmark shapes (the tests
 check them in Triton's CPU interpreter at small shapes).
 
-``--profile N`` times nothing either: each selected candidate runs forward + backward N
-times under ``torch.profiler`` (host and, on a GPU, device activity and Python stacks),
-and the tool prints the wall time per iteration without the profiler, the host time and
-kernel time per iteration under it, and the operators by host time; ``--trace DIR`` also
-writes a Chrome trace per candidate (``chrome://tracing``, Perfetto).
+``--profile N`` makes no table: for each selected candidate the tool prints the wall time
+of a forward + backward call (timed as the table times it), then runs N of them under
+``torch.profiler`` (host and, on a GPU, device activity and Python stacks) and prints the
+host time and kernel time per call under it and the operators by host time; ``--trace DIR``
+also writes a Chrome trace per candidate (``chrome://tracing``, Perfetto).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import statistics
-import time
 from typing import Callable, List, Optional, Tuple
 
 from depthmix.cli.command import ArgumentParser, DefaultsFormatter
@@ -43,8 +47,10 @@ from depthmix.cli.command import ArgumentParser, DefaultsFormatter
 def parse_args():
     p = ArgumentParser(description=__doc__, formatter_class=DefaultsFormatter)
     p.add_argument("--ops", default="all", help="comma list, or 'all' registered")
-    p.add_argument("--reps", type=int, default=10, help="timed repetitions")
-    p.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
+    p.add_argument("--rep-ms", type=float, default=100,
+                   help="time spent on the timed calls of each candidate (do_bench's rep)")
+    p.add_argument("--warmup-ms", type=float, default=25,
+                   help="CUDA: untimed calls first, for this long (do_bench's warmup)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (default without CUDA)")
     p.add_argument("--cases", default="",
                    help="comma list: run only cases whose 'op shape' label holds one of these")
@@ -64,14 +70,10 @@ if __name__ == "__main__":
     parse_args()  # --help or a wrong option: answered before torch is imported
 
 import torch  # noqa: E402
+from torch.utils import benchmark  # noqa: E402
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 
 from depthmix import bench, kernels  # noqa: E402
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _outputs(out) -> List[torch.Tensor]:
@@ -84,22 +86,34 @@ def _fwd_bwd(fn: Callable, args, kwargs) -> None:
     torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
 
-def measure(fn: Callable, make_inputs: Callable, backward: bool, reps: int, warmup: int):
-    times = []
-    for i in range(warmup + reps):
-        args, kwargs = make_inputs()
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        _sync()
-        t0 = time.perf_counter()
-        out = _fwd_bwd(fn, args, kwargs) if backward else fn(*args, **kwargs)
-        _sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        args = kwargs = out = None  # free inputs, grads and graph before the next inputs
-    peak = (torch.cuda.max_memory_allocated() - base) if torch.cuda.is_available() else 0
-    return statistics.median(times), peak
+def measure(fn: Callable, make_inputs: Callable, backward: bool, rep_ms: float,
+            warmup_ms: float) -> Tuple[float, int]:
+    """Seconds of one call of ``fn`` (forward, or forward and backward), the median over
+    ``rep_ms`` of calls on one set of inputs, and the bytes one call allocates at its peak
+    beyond them (0 on CPU)."""
+    args, kwargs = make_inputs()
+    leaves = [t for t in tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def call():
+        for t in leaves:  # no gradient accumulation across calls
+            t.grad = None
+        _fwd_bwd(fn, args, kwargs) if backward else fn(*args, **kwargs)
+
+    if not torch.cuda.is_available():
+        timer = benchmark.Timer("call()", globals={"call": call},
+                                num_threads=torch.get_num_threads())
+        return timer.blocked_autorange(min_run_time=rep_ms / 1e3).median, 0
+    from triton.testing import do_bench
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    call()  # the peak, before do_bench allocates its L2-flush buffer
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    ms = do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return ms / 1e3, peak
 
 
 def _as_fp32(tree):
@@ -139,21 +153,15 @@ def check(case) -> Tuple[float, float, int]:
     return _relative_error(out_a, out_b), _relative_error(grad_a, grad_b), len(grad_a)
 
 
-def profile(label: str, fn: Callable, make_inputs: Callable, iters: int, warmup: int,
-            trace_dir: Optional[str]) -> None:
-    """``iters`` forward+backward calls on the same inputs, once timed and once under
-    ``torch.profiler``: wall, host and kernel time per call, and the top operators."""
+def profile(label: str, fn: Callable, make_inputs: Callable, iters: int,
+            trace_dir: Optional[str], rep_ms: float = 100, warmup_ms: float = 25) -> None:
+    """The wall time of a forward+backward call (:func:`measure`), then ``iters`` such calls
+    under ``torch.profiler``: host and kernel time per call, and the top operators."""
     from depthmix.pretrain.callbacks.profiler import profile_calls
 
+    wall, _ = measure(fn, make_inputs, True, rep_ms, warmup_ms)
     args, kwargs = make_inputs()
-    for _ in range(warmup):
-        _fwd_bwd(fn, args, kwargs)
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        _fwd_bwd(fn, args, kwargs)
-    _sync()
-    wall = (time.perf_counter() - t0) / iters
+    _fwd_bwd(fn, args, kwargs)  # first-call work (compiling, autotuning) stays out of the trace
     trace = (os.path.join(trace_dir, re.sub(r"[^\w.+-]+", "_", label) + ".json")
              if trace_dir else None)
     prof = profile_calls(lambda: _fwd_bwd(fn, args, kwargs), iters, trace)
@@ -188,7 +196,8 @@ def main():
     import triton
 
     print(f"{device} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"{'smoke shapes' if smoke else 'full shapes'} | median of {args.reps}")
+          f"{'smoke shapes' if smoke else 'full shapes'} | median over {args.rep_ms:g} ms "
+          f"a candidate ({'do_bench, L2 flushed' if torch.cuda.is_available() else 'Timer'})")
     header = f"{'op':<16}{'shape':<34}{'candidate':<14}{'fwd ms':>9}{'f+b ms':>9}{'f+b/base':>10}{'peak MiB':>10}"
     patterns = [p for p in args.cases.split(",") if p]
     keep = {c for c in args.candidates.split(",") if c}
@@ -210,15 +219,16 @@ def main():
                 for name, fn in case.candidates.items():
                     if _wanted(name, keep):
                         profile(f"{op} {case.shape} {name}", fn, case.make_inputs,
-                                args.profile, args.warmup, args.trace)
+                                args.profile, args.trace, args.rep_ms, args.warmup_ms)
                 continue
             results = {}
             for name, fn in case.candidates.items():
                 if name != case.baseline and not _wanted(name, keep):
                     continue
                 try:
-                    fwd, _ = measure(fn, case.make_inputs, False, args.reps, args.warmup)
-                    both, peak = measure(fn, case.make_inputs, True, args.reps, args.warmup)
+                    fwd, _ = measure(fn, case.make_inputs, False, args.rep_ms, args.warmup_ms)
+                    both, peak = measure(fn, case.make_inputs, True, args.rep_ms,
+                                         args.warmup_ms)
                     results[name] = (fwd, both, peak)
                 except Exception as e:  # a public kernel may refuse a shape; report it
                     results[name] = e.with_traceback(None)  # its frames hold the run's tensors

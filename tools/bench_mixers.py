@@ -29,7 +29,10 @@ import statistics
 import time
 from collections import Counter
 
+from tabulate import tabulate
+
 from depthmix.cli.command import ArgumentParser, DefaultsFormatter
+from depthmix.config.validate import PRECISIONS
 
 
 def parse_args():
@@ -40,7 +43,7 @@ def parse_args():
     p.add_argument("--layers", type=int, default=None, help="override num_layers")
     p.add_argument("--seq", type=int, default=None, help="override seq_length")
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS)
     p.add_argument("--steps", type=int, default=8, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--recompute", action="store_true")
@@ -125,10 +128,10 @@ def print_peers(vanilla_trainer, args) -> None:
     times = time_forward_backward(models, (x, pos), args.steps, args.warmup)
     base = times["depthmix vanilla"]
     print(f"\nforward+backward, same shape, median of {args.steps} (no optimizer)\n")
-    print(f"{'model':<20}{'ms':>10}{'ratio':>8}{'params':>14}")
-    for name, model, _ in models:
-        n = sum(p.numel() for p in model.parameters())
-        print(f"{name:<20}{times[name] * 1e3:>10.1f}{times[name] / base:>8.3f}{n:>14,}")
+    rows = [[name, f"{times[name] * 1e3:.1f}", f"{times[name] / base:.3f}",
+             f"{sum(p.numel() for p in model.parameters()):,}"] for name, model, _ in models]
+    print(tabulate(rows, ["model", "ms", "ratio", "params"], tablefmt="plain",
+                   colalign=("left", "right", "right", "right"), disable_numparse=True))
 
 
 def print_profiles(trainers, times, args) -> None:
@@ -137,12 +140,14 @@ def print_profiles(trainers, times, args) -> None:
     from depthmix.pretrain.callbacks.profiler import profile_calls
 
     print(f"\nunder torch.profiler, {args.profile} steps each (the profiler adds host time)\n")
-    print(f"{'mixer':<16}{'impl':<10}{'ms/step':>10}{'host ms':>10}{'kernel ms':>11}")
+    rows = []
     for i, (name, impl, trainer) in enumerate(trainers):
         trace = os.path.join(args.trace, f"{name}_{impl}.json") if args.trace else None
         prof = profile_calls(trainer.train_one_step, args.profile, trace)
-        print(f"{name:<16}{impl:<10}{statistics.median(times[i]) * 1e3:>10.1f}"
-              f"{prof.host_ms:>10.1f}{prof.kernel_ms:>11.1f}")
+        rows.append([name, impl, f"{statistics.median(times[i]) * 1e3:.1f}",
+                     f"{prof.host_ms:.1f}", f"{prof.kernel_ms:.1f}"])
+    print(tabulate(rows, ["mixer", "impl", "ms/step", "host ms", "kernel ms"], tablefmt="plain",
+                   colalign=("left", "left", "right", "right", "right"), disable_numparse=True))
 
 
 def _dynamo_counts() -> Counter:
@@ -193,9 +198,9 @@ def main():
     compiled_base = next((statistics.median(times[i]) for i, (n, impl, _) in enumerate(trainers)
                           if n == "vanilla" and impl.endswith("+c")), None)
     compiled_rows = any(impl.endswith("+c") for _, impl, _ in trainers)
-    print(f"{'mixer':<16}{'impl':<10}{'ms/step':>10}{'ratio':>8}{'vs same':>9}{'tokens/s':>10}"
-          f"{'MFU':>7}{'params':>13}{'extra':>11}"
-          + (f"{'graphs':>8}{'breaks':>8}{'compile s':>11}" if compiled_rows else ""))
+    head = ["mixer", "impl", "ms/step", "ratio", "vs same", "tokens/s", "MFU", "params", "extra"]
+    head += ["graphs", "breaks", "compile s"] if compiled_rows else []
+    rows = []
     vanilla_params = sum(p.numel() for p in trainers[0][2].model[0].parameters())
     peak = device_peak_tflops(trainers[0][2].run, device if torch.cuda.is_available() else None)
     for i, (name, impl, trainer) in enumerate(trainers):
@@ -206,13 +211,15 @@ def main():
         # the trainer's own count (depthmix.planning.flops): what its log line's MFU reads
         flops = flops_per_token(trainer.run, trainer.mixer, trainer.config)["train"]
         tflops = flops * tokens_per_s / 1e12
-        mfu = f"{tflops / peak:>7.1%}" if peak else f"{'-':>7}"
-        line = (f"{name:<16}{impl:<10}{t * 1e3:>10.1f}{t / base:>8.3f}{t / same:>9.3f}"
-                f"{tokens_per_s:>10,.0f}{mfu}{n:>13,}{n - vanilla_params:>11,}")
+        row = [name, impl, f"{t * 1e3:.1f}", f"{t / base:.3f}", f"{t / same:.3f}",
+               f"{tokens_per_s:,.0f}", f"{tflops / peak:.1%}" if peak else "-", f"{n:,}",
+               f"{n - vanilla_params:,}"]
         if impl.endswith("+c"):  # compile time: the first step less a compiled step
-            line += (f"{dynamo[i]['graphs']:>8}{dynamo[i]['breaks']:>8}"
-                     f"{first_step[i] - t:>11.1f}")
-        print(line)
+            row += [str(dynamo[i]["graphs"]), str(dynamo[i]["breaks"]),
+                    f"{first_step[i] - t:.1f}"]
+        rows.append(row)
+    print(tabulate(rows, head, tablefmt="plain", colalign=("left", "left", *["right"] * 10),
+                   disable_numparse=True))
     if args.peers:
         print_peers(trainers[0][2], args)
     if args.profile:

@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from tabulate import tabulate
 
 VARIANTS = {"off": "false", "on": "true"}
 
@@ -75,11 +76,11 @@ def main():
               f"global batch {run.train.global_batch_size} x {run.model.seq_length} | "
               f"median of {args.steps} steps\n")
         base = statistics.median(times["off"])
-        print(f"{'overlap':<10}{'ms/step':>10}{'ratio':>8}{'tokens/s/GPU':>14}")
-        for name, measured in times.items():
-            t = statistics.median(measured)
-            print(f"{name:<10}{t * 1e3:>10.1f}{t / base:>8.3f}"
-                  f"{tokens / t / first.topo.world_size:>14,.0f}")
+        rows = [[name, f"{t * 1e3:.1f}", f"{t / base:.3f}",
+                 f"{tokens / t / first.topo.world_size:,.0f}"]
+                for name, t in ((n, statistics.median(m)) for n, m in times.items())]
+        print(tabulate(rows, ["overlap", "ms/step", "ratio", "tokens/s/GPU"], tablefmt="plain",
+                       colalign=("left", "right", "right", "right"), disable_numparse=True))
     destroy_distributed()
 
 

@@ -770,7 +770,7 @@ def run_kernels(rf: RunFile, mx: Matrix, env: dict) -> None:
     tool = _tool("bench_kernels")
     moda = bench.hooks("moda_attention")
     device = hardware.device_named(env["device"]) if env.get("device_kind") else None
-    reps, warmup = (1, 0) if mx.smoke else (5, 2)
+    rep_ms, warmup_ms = (1, 0) if mx.smoke else (100, 25)  # do_bench's defaults
     for case in moda.cases(mx.smoke):
         label = case.shape
         if not mx.smoke and not (label.startswith("moda/paper") or "-G4-" in label):
@@ -791,8 +791,8 @@ def run_kernels(rf: RunFile, mx: Matrix, env: dict) -> None:
         for name in names:
             def measure(name=name, case=case, floor=floor, depth_floor=depth_floor):
                 fn = case.candidates[name]
-                fwd, _ = tool.measure(fn, case.make_inputs, False, reps, warmup)
-                both, peak = tool.measure(fn, case.make_inputs, True, reps, warmup)
+                fwd, _ = tool.measure(fn, case.make_inputs, False, rep_ms, warmup_ms)
+                both, peak = tool.measure(fn, case.make_inputs, True, rep_ms, warmup_ms)
                 if name == case.baseline:
                     baseline_ms[key] = both * 1e3
                 base = baseline_ms.get(key)
@@ -801,7 +801,7 @@ def run_kernels(rf: RunFile, mx: Matrix, env: dict) -> None:
                        "fwd_ms": fwd * 1e3, "fwd_bwd_ms": both * 1e3,
                        "ratio": both * 1e3 / base if base else None,
                        "peak_mib": peak / 2 ** 20, "floor_ms": floor,
-                       "depth_floor_ms": depth_floor, "reps": reps}
+                       "depth_floor_ms": depth_floor, "rep_ms": rep_ms}
                 if name == "ours" and base is not None and depth_floor is not None:
                     row["target_ms"] = base + 1.3 * depth_floor
                     row["within_target"] = both * 1e3 <= row["target_ms"]

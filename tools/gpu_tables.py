@@ -29,6 +29,8 @@ import shutil
 import sys
 from typing import Dict, List, Optional, Tuple
 
+from tabulate import tabulate
+
 from depthmix.planning import gpu_runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,9 +74,8 @@ def _pct(x) -> str:
 
 
 def _table(header: List[str], rows: List[List[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in r) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
+    cells = [[str(c).replace("|", "/") for c in r] for r in rows]
+    return tabulate(cells, header, tablefmt="github", disable_numparse=True) + "\n"
 
 
 def _not_ok(row: dict) -> str:

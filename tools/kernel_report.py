@@ -31,6 +31,8 @@ import time
 from collections import defaultdict
 from typing import Dict, List, Sequence
 
+from tabulate import tabulate
+
 # Triton must not interpret: the kernels are compiled (a test run sets TRITON_INTERPRET=1)
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, said aloud
@@ -73,7 +75,7 @@ def compile_table(rows: List[gpu_report.Usage]) -> str:
     for a in archs:
         head += [f"regs {a.name}", f"smem KiB {a.name} (of {_kib(a.max_shared)})"]
     head += ["spills B (st/ld)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for (op, kernel, config), by_arch in groups.items():
         every = [r for rs in by_arch.values() for r in rs]
         cells = [op, f"`{kernel}`", config, _variants([r.variant for r in every])]
@@ -82,8 +84,8 @@ def compile_table(rows: List[gpu_report.Usage]) -> str:
             cells += [_span([r.registers for r in arch_rows]) if arch_rows else "-",
                       _kib(max(r.shared for r in arch_rows)) if arch_rows else "-"]
         cells.append(f"{max(r.spill_stores for r in every)}/{max(r.spill_loads for r in every)}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return tabulate(lines, head, tablefmt="github", disable_numparse=True)
 
 
 def roofline_table(work: List[roofline.Work]) -> str:
@@ -93,17 +95,17 @@ def roofline_table(work: List[roofline.Work]) -> str:
         pairs[(w.op, w.case)][w.direction] = w
     head = ["op", "shape", "MB fwd / bwd", "GFLOP fwd / bwd", "H100 µs fwd / bwd",
             "bound fwd / bwd", "H100 µs f+b", "H200 µs f+b"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = []
     for (op, case), by_dir in pairs.items():
         fwd, bwd = by_dir["fwd"], by_dir["bwd"]
         (f100, fb), (b100, bb) = fwd.floor(H100), bwd.floor(H100)
         h200 = fwd.floor(H200)[0] + bwd.floor(H200)[0]
-        lines.append("| " + " | ".join([
+        lines.append([
             op, case, f"{fwd.bytes / 1e6:.0f} / {bwd.bytes / 1e6:.0f}",
             f"{fwd.flops / 1e9:.1f} / {bwd.flops / 1e9:.1f}",
             f"{f100 * 1e6:.1f} / {b100 * 1e6:.1f}", f"{fb} / {bb}",
-            f"{(f100 + b100) * 1e6:.1f}", f"{h200 * 1e6:.1f}"]) + " |")
-    return "\n".join(lines)
+            f"{(f100 + b100) * 1e6:.1f}", f"{h200 * 1e6:.1f}"])
+    return tabulate(lines, head, tablefmt="github", disable_numparse=True)
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,8 @@ import argparse
 import collections
 import xml.etree.ElementTree as ET
 
+from tabulate import tabulate
+
 
 def file_of(case) -> str:
     """tests/x/test_y.py of a <testcase> (pytest's classname is tests.x.test_y[.Class])."""
@@ -44,19 +46,20 @@ def table(paths: list, top: int) -> str:
     runs = [per_file(p) for p in paths]
     files = sorted(set().union(*runs), key=lambda f: -max(r.get(f, [0])[0] for r in runs))
     head = ["seconds"] if len(runs) == 1 else ["before s", "after s", "change s"]
-    lines = [" | ".join(["file", *head, "tests", "failed", "skipped"])]
+    body = []
     for f in files[:top]:
         rows = [r.get(f, [0.0, 0, 0, 0]) for r in runs]
         secs = [f"{row[0]:.1f}" for row in rows]
         if len(runs) == 2:
             secs.append(f"{rows[1][0] - rows[0][0]:+.1f}")
         last = rows[-1]
-        lines.append(" | ".join([f, *secs, str(last[1]), str(last[2]), str(last[3])]))
+        body.append([f, *secs, str(last[1]), str(last[2]), str(last[3])])
     totals = [sum(r[0] for r in run.values()) for run in runs]
-    lines.append(" | ".join(["total", *[f"{t:.1f}" for t in totals],
-                             *([f"{totals[1] - totals[0]:+.1f}"] if len(runs) == 2 else []),
-                             str(sum(r[1] for r in runs[-1].values())), "", ""]))
-    return "\n".join(lines)
+    body.append(["total", *[f"{t:.1f}" for t in totals],
+                 *([f"{totals[1] - totals[0]:+.1f}"] if len(runs) == 2 else []),
+                 str(sum(r[1] for r in runs[-1].values())), "", ""])
+    return tabulate(body, ["file", *head, "tests", "failed", "skipped"], tablefmt="pipe",
+                    colalign=("left", *["right"] * (len(head) + 3)), disable_numparse=True)
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from tabulate import tabulate
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -34,7 +36,7 @@ def main():
     print(f"model={args.model} tp={args.tp} pp={args.pp} vp={args.vp} sp={args.sp} "
           f"micro_batch={args.micro_batch} {args.bytes_per_element} B/element; MiB per "
           "micro-batch for each transition into chunk c (payload / wire)\n")
-    vanilla_total = None
+    vanilla_total, rows = None, []
     for name in ["vanilla", *[n for n in names if n != "vanilla"]]:
         overrides = [f"model={args.model}", f"mixer={name}", f"parallel.tp={args.tp}",
                      f"parallel.pp={args.pp}", f"parallel.sequence_parallel={args.sp}"]
@@ -54,7 +56,9 @@ def main():
             total += wire
             cells.append(f"{payload / mib:.1f}/{wire / mib:.1f}")
         vanilla_total = vanilla_total or total
-        print(f"{name:<15} x{total / vanilla_total:5.2f}  " + "  ".join(cells))
+        rows.append([name, f"x{total / vanilla_total:.2f}", *cells])
+    chunks = [f"into chunk {c}" for c in range(1, len(rows[0]) - 1)]
+    print(tabulate(rows, ["mixer", "wire / vanilla's", *chunks], tablefmt="plain", disable_numparse=True))
 
 
 if __name__ == "__main__":

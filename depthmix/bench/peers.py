@@ -14,12 +14,10 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from depthmix.config.schema import RunConfig
+from depthmix.runtime.precision import torch_dtype
 
 Peer = Tuple[str, torch.nn.Module, Callable]
 """``(name, model, loss_fn(tokens, positions) -> scalar)``."""
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def megatron_gpt(run: RunConfig, head_dim: int) -> Peer:
     """Megatron-Core's ``GPTModel`` with its local (non-Transformer-Engine) spec."""
@@ -28,7 +26,7 @@ def megatron_gpt(run: RunConfig, head_dim: int) -> Peer:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    m, dtype = run.model, DTYPES[run.train.precision]
+    m, dtype = run.model, torch_dtype(run.train.precision)
     config = TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
@@ -57,7 +55,7 @@ def hf_qwen3(run: RunConfig, head_dim: int) -> Optional[Peer]:
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_query_groups, head_dim=head_dim,
         max_position_embeddings=m.seq_length, tie_word_embeddings=False,
-        attn_implementation="sdpa")).to(DTYPES[run.train.precision])
+        attn_implementation="sdpa")).to(torch_dtype(run.train.precision))
     return "HF Qwen3", hf, lambda x, pos: hf(input_ids=x, labels=x).loss
 
 

@@ -1,8 +1,9 @@
-"""Megatron distributed checkpoints: what goes into one, save (write, then publish), load
-(also into another layout), and which intact checkpoint a run resumes or rolls back to.
+"""Megatron distributed checkpoints: what goes into one, save (write, then publish) and load
+(also into another layout).
 
-The files and the save directory's layout are :mod:`depthmix.checkpoint.store`'s; what is
-kept, :mod:`.retention`'s; the lock, room and clean failure, :mod:`.guard`'s.
+The files and the save directory's layout are :mod:`depthmix.checkpoint.store`'s; which
+checkpoint a run resumes or rolls back to, :mod:`.resume`'s; what is kept,
+:mod:`.retention`'s; the lock, room and clean failure, :mod:`.guard`'s.
 
 **Contents.** Model chunks (``model`` or ``model0``, ``model1``, ... with virtual stages;
 tensor keys use global layer indices, so any TP/PP layout can load them), the optimizer
@@ -11,10 +12,6 @@ tensor keys use global layer indices, so any TP/PP layout can load them), the op
 ``consumed_train_samples`` (the data position), and every rank's RNG states (Python, NumPy,
 torch, CUDA and Megatron's model-parallel tracker), restored only when the layout is
 unchanged.
-
-**Resume** (:func:`resume_point`): the first of :func:`store.resume_candidates` whose files
-match the sizes/checksums recorded at save (:func:`first_intact`); a damaged one is skipped
-for the previous one, with a warning.
 """
 
 from __future__ import annotations
@@ -455,44 +452,3 @@ def _load_scheduler(scheduler, saved: dict) -> None:
         scheduler.load_state_dict(saved)
     finally:
         scheduler.override_opt_param_scheduler = False
-
-
-# ---------------------------------------------------------------------------------------
-# Which checkpoint a run starts from, or rolls back to
-# ---------------------------------------------------------------------------------------
-
-
-def first_intact(candidates: list, mode: str) -> Optional[str]:
-    """Collective: the first of ``candidates`` whose files match the sizes/checksums
-    recorded at save (``train.ckpt_integrity``); damaged ones are skipped with a warning."""
-    for i, path in enumerate(candidates):
-        problems = integrity.verify(path, store.read_meta(path).get("files"), mode)
-        if not problems:
-            return path
-        log.warning("checkpoint %s is damaged (%s)%s", path, "; ".join(problems[:4]),
-                    f"; trying {candidates[i + 1]}" if i + 1 < len(candidates) else "")
-    return None
-
-
-def resume_point(run, save_dir: str) -> Optional[tuple]:
-    """Collective: the checkpoint a run starts from, as ``(path, weights_only)``, or None:
-    the newest healthy checkpoint with intact files where :func:`store.resume_source`
-    points; its model record must match the run."""
-    source = store.resume_source(run, save_dir)
-    if source is None:
-        return None
-    candidates, weights_only, option = source
-    path = first_intact(candidates, run.train.ckpt_integrity)
-    if path is None:
-        raise RuntimeError(f"every checkpoint to resume from is damaged: "
-                           f"{', '.join(candidates)} (see the warnings above)")
-    store.check_record(path, run, weights_only, option)
-    return path, weights_only
-
-
-def rollback_point(root: Optional[str], mode: str) -> Optional[str]:
-    """Collective: the newest healthy checkpoint of ``root`` with intact files (``mode``:
-    ``train.ckpt_integrity``), or None."""
-    candidates = [p for p in store.resume_candidates(root, warn=False)
-                  if store.is_healthy(p)] if root else []
-    return first_intact(candidates, mode) if candidates else None

@@ -1,5 +1,6 @@
 """Checkpoints on disk, without torch or Megatron: the layout of a save directory, its
-tracker, each checkpoint's metadata and health mark, and which checkpoint a run resumes.
+tracker, each checkpoint's metadata and health mark. Which checkpoint a run resumes is
+:mod:`.resume`'s rule.
 
 Layout of ``train.save_dir`` (default ``<output_dir>/checkpoints``)::
 
@@ -33,13 +34,6 @@ checkpoint (``eval.checkpoint``, ``depthmix-generate``, ``depthmix-export``,
 directory of a training run or of ``depthmix-import`` (its ``checkpoints/``). A directory
 that is none of these is refused naming the closest checkpoint directory below it
 (:func:`no_checkpoint_error`).
-
-**Which checkpoint a resume uses** (:func:`resume_candidates`): the tracker's step (a
-missing or unreadable tracker: the newest complete ``iter_*``, with a warning), preferring
-the newest healthy checkpoint at or below it. Its model record must match the run
-(:func:`check_record`), else the start is refused before the model is built
-(:func:`preflight_checkpoint`), unless ``train.load_weights_only=true``. Damaged files are
-found at load time (:func:`depthmix.checkpoint.distributed.first_intact`).
 """
 
 from __future__ import annotations
@@ -51,7 +45,6 @@ import shutil
 import time
 from typing import Optional
 
-from depthmix.checkpoint.record import listed, mismatches
 from depthmix.config.schema import ConfigError
 
 log = logging.getLogger("depthmix")
@@ -102,7 +95,7 @@ def write_meta(path: str, meta: dict) -> None:
     _fsync_dir(path)
 
 
-def _meta_or_none(path: str) -> Optional[dict]:
+def meta_or_none(path: str) -> Optional[dict]:
     try:
         return read_meta(path)
     except (OSError, ValueError) as e:
@@ -359,7 +352,7 @@ def _write_atomic(path: str, text: str) -> None:
 def health(path: str) -> Optional[dict]:
     """The health mark of the checkpoint ``path`` (``{}`` when it has none), or None when
     its metadata is unreadable."""
-    meta = _meta_or_none(path)
+    meta = meta_or_none(path)
     return None if meta is None else meta.get("health", {})
 
 
@@ -391,88 +384,6 @@ def settle_health(path: str, step: int, finite: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Which checkpoint a run starts from
-# ---------------------------------------------------------------------------------------
-
-
-def resume_candidates(root: Optional[str], warn: bool = True) -> list:
-    """The checkpoints a resume from ``root`` may use, in the order to try them: at or
-    below the tracker's step (:func:`latest_checkpoint`), newest first, healthy ones before
-    unhealthy ones. ``root`` may be one checkpoint directory: then only it."""
-    latest = latest_checkpoint(root)
-    if latest is None:
-        return []
-    if os.path.normpath(latest) == os.path.normpath(root):
-        return [latest]
-    limit = int(os.path.basename(latest)[5:])
-    paths = [p for s, p in reversed(list_checkpoints(root))
-             if s <= limit and _meta_or_none(p) is not None]
-    healthy = [p for p in paths if is_healthy(p)]
-    ordered = healthy + [p for p in paths if p not in healthy]
-    if warn and ordered and ordered[0] != latest:
-        log.warning("the newest checkpoint %s was saved after a non-finite step (%s); "
-                    "resuming from the newest healthy one, %s", latest,
-                    (_meta_or_none(latest) or {}).get("health"), ordered[0])
-    elif warn and ordered and not healthy:
-        log.warning("no healthy checkpoint in %s: resuming from %s, saved after a "
-                    "non-finite step", root, ordered[0])
-    return ordered
-
-
-def check_record(path: str, run, weights_only: bool, source: str = "train.load_dir") -> None:
-    """Refuse (ConfigError naming each differing option) to resume ``path`` into a run it
-    was not saved by; with ``weights_only`` the differences are only logged (precision may
-    change). ``source``: the option that led to ``path``, for the hint."""
-    meta = _meta_or_none(path) or {}
-    if meta.get("contents") == "weights" and not weights_only:
-        raise ConfigError(f"checkpoint {path} holds weights only (an imported model: no "
-                          "optimizer state, step or data position): start from it with "
-                          f"train.load_dir={path} train.load_weights_only=true")
-    rec = meta.get("record")
-    if rec is None:
-        log.warning("checkpoint %s records no model configuration: not checked", path)
-        return
-    diffs = mismatches(rec, run, ignore=("train.precision",) if weights_only else ())
-    if not diffs:
-        return
-    if weights_only:
-        log.warning("loading the weights of %s into a different configuration: %s", path,
-                    "; ".join(diffs))
-        return
-    if source == "train.load_dir":
-        hint = ("to fine-tune from its weights (fresh optimizer, schedule and step) add "
-                "train.load_weights_only=true")
-    else:
-        hint = (f"{source} holds another run's checkpoints: give this run its own "
-                f"train.save_dir (or output directory); to fine-tune from them add "
-                f"train.load_dir={path} train.load_weights_only=true")
-    raise ConfigError(f"cannot resume checkpoint {path}: it differs from this run in"
-                      f"{listed(diffs)}\n{hint}")
-
-
-def resume_source(run, save_dir: str, warn: bool = True) -> Optional[tuple]:
-    """Where a run starts from: ``(candidates, weights_only, option)`` or None (fresh).
-
-    The save directory's checkpoints if there are any (this run's own progress: a requeued
-    or re-run job continues, loading everything), else ``train.load_dir``'s (it must name a
-    checkpoint, :func:`checkpoint_dir`; ``train.load_weights_only=true`` takes only its
-    weights). ``candidates`` as :func:`resume_candidates` orders them; ``option`` names
-    where they came from."""
-    t = run.train
-    candidates = resume_candidates(save_dir, warn=warn)
-    if candidates:
-        return candidates, False, f"train.save_dir={save_dir}"
-    if not t.load_dir:
-        return None
-    if not os.path.isdir(t.load_dir):
-        raise ConfigError(f"train.load_dir={t.load_dir}: no such directory")
-    candidates = resume_candidates(checkpoint_dir(t.load_dir), warn=warn)
-    if not candidates:
-        raise no_checkpoint_error(t.load_dir, "train.load_dir")
-    return candidates, t.load_weights_only, "train.load_dir"
-
-
-# ---------------------------------------------------------------------------------------
 # Start-up checks (before any process group or model exists)
 # ---------------------------------------------------------------------------------------
 
@@ -493,31 +404,3 @@ def check_save_dir(run) -> None:
         what = ("is not writable" if probe == path
                 else f"cannot be created ({probe} is not writable)")
         raise ConfigError(f"{option}: {path} {what}")
-
-
-def finished_at(run) -> Optional[int]:
-    """The step of the save directory's latest checkpoint when it has reached
-    ``train.steps`` (the run is finished: re-running its command has nothing to do), else
-    None. A damaged tracker counts as unfinished (the start-up checks report it)."""
-    try:
-        path = latest_checkpoint(default_save_dir(run))
-    except RuntimeError:
-        return None
-    if path is None:
-        return None
-    step = (_meta_or_none(path) or {}).get("step")
-    return step if isinstance(step, int) and step >= run.train.steps else None
-
-
-def preflight_checkpoint(run) -> Optional[str]:
-    """What this run would resume from: the checkpoint path (None: a fresh start). Raises
-    :class:`ConfigError` when ``train.load_dir`` holds no checkpoint or when the
-    checkpoint's model record differs from ``run`` (each option named; see
-    :func:`check_record`). Files are not verified here (that needs all ranks); a damaged
-    checkpoint is replaced at load time."""
-    source = resume_source(run, default_save_dir(run), warn=False)
-    if source is None:
-        return None
-    candidates, weights_only, option = source
-    check_record(candidates[0], run, weights_only, option)
-    return candidates[0]

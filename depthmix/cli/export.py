@@ -16,9 +16,7 @@ from depthmix.cli.command import (
     require_path,
     require_writable_dir,
 )
-
-DTYPES = ("fp32", "bf16", "fp16")
-"""The keys of :data:`depthmix.export.hf.DTYPES` (not imported here: it imports torch)."""
+from depthmix.config.validate import PRECISIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "dir, or a training run's or an import's output dir")
     p.add_argument("out_dir", help="directory to write config.json, model.safetensors, "
                                    "tokenizer files (and remote code for depth_attn)")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+    p.add_argument("--dtype", choices=PRECISIONS, default=None,
                    help="weights dtype (default: the training precision)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizers JSON file (default: the one saved with the checkpoint)")

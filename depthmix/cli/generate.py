@@ -22,10 +22,10 @@ from depthmix.cli.command import (
     require_path,
 )
 from depthmix.config.schema import ConfigError
+from depthmix.config.validate import PRECISIONS
 from depthmix.runtime import exit_codes
 
 PROG = "depthmix-generate"
-DTYPES = ("fp32", "bf16", "fp16")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts decoded together (left-padded; default 8)")
     p.add_argument("--impl", choices=("torch", "triton", "auto"), default="auto",
                    help="mixer kernels: PyTorch, Triton, or Triton on CUDA (default auto)")
-    p.add_argument("--dtype", choices=DTYPES, help="weights and activations (default: the "
+    p.add_argument("--dtype", choices=PRECISIONS, help="weights and activations (default: the "
                                                    "training precision)")
     p.add_argument("--format", choices=("text", "jsonl"), default="text",
                    help="text: prompt and continuation (one prompt streams token by token, "
@@ -169,12 +169,12 @@ def run(args) -> int:
     from depthmix.data.tokenizer import HFTokenizer
     from depthmix.inference.generate import generate, left_pad
     from depthmix.inference.load import load_model
+    from depthmix.runtime.precision import torch_dtype
 
     prompts = read_prompts(args)
     if not prompts:
         raise ConfigError(f"--prompts-file={args.prompts_file} holds no prompt")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
-             "fp16": torch.float16}.get(args.dtype)
+    dtype = torch_dtype(args.dtype) if args.dtype else None
     loaded = load_model(args.checkpoint, impl=args.impl, dtype=dtype)
     tokenizer_path = args.tokenizer or loaded.tokenizer_path
     if tokenizer_path is None:

@@ -22,6 +22,7 @@ from depthmix.cli.command import (
     require_path,
     require_writable_dir,
 )
+from depthmix.config.validate import PRECISIONS
 
 PROG = "depthmix-import"
 
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "-> qwen3_0p6b)")
     p.add_argument("--seq-length", type=int, default=None,
                    help="model.seq_length of the preset (default: max_position_embeddings)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="dtype the weights are stored in and train.precision of the record "
                         "(default: config.json's dtype)")
     p.add_argument("--tokenizer", default=None,

@@ -21,6 +21,8 @@ import shlex
 import sys
 from typing import Dict, List, Optional, Sequence
 
+from tabulate import tabulate
+
 from depthmix.cli.command import argument_parser, collect_statuses, command
 from depthmix.config.schema import ConfigError
 from depthmix.config.sweep import RESULT_FILE, swept_keys, varying
@@ -99,17 +101,14 @@ def columns(table: Sequence[dict]) -> List[str]:
 def text_table(table: Sequence[dict]) -> str:
     """Aligned columns for the console."""
     names = columns(table)
-    cells = [names] + [[format_cell(k, row.get(k)) for k in names] for row in table]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(names))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+    return tabulate([[format_cell(k, row.get(k)) for k in names] for row in table], names,
+                    tablefmt="plain", disable_numparse=True)
 
 
 def markdown_table(table: Sequence[dict]) -> str:
     names = columns(table)
-    lines = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
-    lines += ["| " + " | ".join(format_cell(k, row.get(k)).replace("|", "\\|") for k in names) + " |"
-              for row in table]
-    return "\n".join(lines)
+    return tabulate([[format_cell(k, row.get(k)).replace("|", "\\|") for k in names]
+                     for row in table], names, tablefmt="github", disable_numparse=True)
 
 
 def write(sweep_dir: str, statuses: Optional[Dict[str, int]] = None) -> str:

@@ -80,7 +80,7 @@ def _already_finished(cfg: DictConfig) -> bool:
     Read from the composed config before it is resolved (which imports torch)."""
     from types import SimpleNamespace
 
-    from depthmix.checkpoint.store import finished_at
+    from depthmix.checkpoint.resume import finished_at
 
     train = SimpleNamespace(steps=int(cfg.train.steps), save_dir=cfg.train.save_dir)
     run = SimpleNamespace(train=train, output_dir=str(cfg.output_dir))

@@ -16,7 +16,10 @@ from typing import Any, Iterable, Optional, Sequence
 
 from depthmix.config.schema import ConfigError, RunConfig
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""``train.precision`` -> the name of its torch dtype (the dtype itself:
+:func:`depthmix.runtime.precision.torch_dtype`)."""
+PRECISIONS = tuple(TORCH_DTYPES)
 LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
 """Megatron's ``OptimizerParamScheduler`` styles (``WSD`` needs options depthmix lacks)."""
 CKPT_OPTIM_FORMATS = ("dp_reshardable", "fully_reshardable")

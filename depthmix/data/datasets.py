@@ -35,7 +35,6 @@ counts reuse them. With several nodes the cache directory must be on a shared fi
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import time
@@ -43,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
+from filelock import FileLock
 
 from depthmix.config.schema import RunConfig
 from depthmix.config.validate import parse_blend  # noqa: F401  (re-exported)
@@ -70,19 +70,6 @@ def cache_dir(run: RunConfig) -> str:
     """``data.cache_dir`` if set, else :func:`default_cache_dir`. Shared by all runs on
     purpose: the embedded corpus and index caches do not depend on the run's output dir."""
     return os.path.abspath(os.path.expanduser(run.data.cache_dir or default_cache_dir()))
-
-
-@contextlib.contextmanager
-def _file_lock(path: str):
-    """An exclusive ``flock`` on ``path`` (created): serialises processes on one machine
-    (and on filesystems that support flock) that have no process group to synchronise."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _distributed() -> bool:
@@ -127,7 +114,7 @@ def _build_embedded_locked(paths: EmbeddedPaths, num_documents: int, vocab_size:
     done = os.path.join(paths.directory, "COMPLETE")
     if os.path.exists(done):
         return
-    with _file_lock(paths.directory + ".lock"):
+    with FileLock(paths.directory + ".lock"):
         if os.path.exists(done):  # another process built it while we waited
             return
         import json
@@ -331,7 +318,7 @@ def build_data(run: RunConfig, dp_rank: int, dp_size: int, consumed_train_sample
         train_ds, valid_ds, test_ds = builder.build()  # rank 0 first, then a barrier
     else:
         blended = len(paths) > 1 or weights is not None
-        with _file_lock(os.path.join(root, "indices.lock")), (
+        with FileLock(os.path.join(root, "indices.lock")), (
                 _single_process_world() if blended else contextlib.nullcontext()):
             train_ds, valid_ds, test_ds = builder.build()
     logger.info("datasets built in %.2f s: train %d, valid %s, test %s samples",

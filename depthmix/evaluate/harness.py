@@ -49,13 +49,13 @@ from tqdm import tqdm
 
 from depthmix import runtime
 from depthmix.config.schema import ConfigError
+from depthmix.config.validate import PRECISIONS
 from depthmix.data.tokenizer import HFTokenizer
+from depthmix.runtime.precision import torch_dtype
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 """Task YAML shipped with depthmix (e.g. the ``depth_attn_table1`` group); always on the
 include path of :func:`evaluate_tasks`."""
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _positive_int(value, option: str) -> int:
@@ -102,9 +102,10 @@ class DepthmixLM(TemplateLM):
         if (checkpoint is None) == (model is None):
             raise ConfigError("DepthmixLM needs exactly one of checkpoint=<dir> or model=")
         if checkpoint is not None:
-            if dtype is not None and dtype not in _DTYPES:
-                raise ConfigError(f"dtype={dtype} must be one of {sorted(_DTYPES)}")
-            model = load_model(str(checkpoint), impl=impl, dtype=_DTYPES.get(dtype),
+            if dtype is not None and dtype not in PRECISIONS:
+                raise ConfigError(f"dtype={dtype} must be one of {sorted(PRECISIONS)}")
+            model = load_model(str(checkpoint), impl=impl,
+                               dtype=torch_dtype(dtype) if dtype else None,
                                device=torch.device(device) if device else None)
         self.checkpoint = None
         if isinstance(model, LoadedModel):

@@ -220,13 +220,6 @@ def compose_job(*overrides: str, world_size: int = 1) -> EvalJob:
     return prepare(cfg, overrides, world_size)
 
 
-def torch_dtype(precision: str):
-    """``train.precision`` -> the torch dtype the lm-eval tasks run in."""
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
 def run_job(job: EvalJob) -> dict:
     """Evaluate ``job``; collective. Rank 0 writes the JSON, prints the table and logs to
     W&B; every rank returns the results."""
@@ -239,6 +232,7 @@ def run_job(job: EvalJob) -> dict:
     tasks = None
     if job.eval.tasks:  # first: an unknown task fails before the perplexity pass
         from depthmix.inference.load import load_model
+        from depthmix.runtime.precision import torch_dtype
 
         ev = job.eval
         loaded = load_model(job.checkpoint, impl=job.run.mixer.impl, option="eval.checkpoint",

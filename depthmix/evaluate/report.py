@@ -14,6 +14,8 @@ import os
 import time
 from typing import List, Optional
 
+from tabulate import tabulate
+
 from depthmix.evaluate.perplexity import DatasetResult, pooled
 
 
@@ -56,11 +58,9 @@ def table(results: List[DatasetResult]) -> str:
     if len(results) > 1:
         p = pooled(results)
         rows.append(("pooled", f"{p.tokens:,}", f"{p.windows:,}", f"{p.loss:.4f}", f"{p.ppl:.3f}"))
-    header = ("dataset", "tokens", "windows", "loss", "ppl")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                                for i, (c, w) in enumerate(zip(row, widths)))
-    return "\n".join([fmt(header), *map(fmt, rows)])
+    return tabulate(rows, ("dataset", "tokens", "windows", "loss", "ppl"), tablefmt="plain",
+                    colalign=("left", "right", "right", "right", "right"),
+                    disable_numparse=True)
 
 
 def _flat_metrics(prefix: str, tree, out: dict) -> None:

@@ -29,14 +29,15 @@ from typing import Dict, Optional
 import torch
 
 from depthmix.config.schema import ConfigError
+from depthmix.config.validate import PRECISIONS
 from depthmix.hf import architecture
 from depthmix.hf.weights import to_hf
+from depthmix.runtime import precision
 
 log = logging.getLogger("depthmix")
 
 SUPPORTED = ("vanilla", "depth_attn")
 REMOTE_CODE = "modeling_depthmix_qwen3.py"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_exportable(run) -> None:
@@ -118,14 +119,14 @@ def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
     from depthmix.checkpoint.store import find_checkpoint, read_meta
     from depthmix.inference.load import load_model
 
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(f"--dtype={dtype} must be one of {list(DTYPES)}")
+    if dtype is not None and dtype not in PRECISIONS:
+        raise ConfigError(f"--dtype={dtype} must be one of {list(PRECISIONS)}")
     found = find_checkpoint(checkpoint, option="checkpoint")
     run = run_from_record(read_meta(found)["record"], impl="torch")
     check_exportable(run)  # before loading any weights
     if tokenizer is not None and not os.path.isfile(tokenizer):
         raise ConfigError(f"--tokenizer={tokenizer}: no such file")
-    torch_dtype = DTYPES[dtype or run.train.precision]
+    torch_dtype = precision.torch_dtype(dtype or run.train.precision)
     loaded = load_model(found, impl="torch", device=torch.device("cpu"))
     tokenizer = tokenizer or loaded.tokenizer_path
 

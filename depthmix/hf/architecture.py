@@ -21,11 +21,12 @@ import re
 from typing import Any, Dict, Optional
 
 from depthmix.config.schema import ConfigError, ModelConfig
+from depthmix.config.validate import TORCH_DTYPES
 
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 """``model_type`` -> the ``transformers`` class we import and export."""
 MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
-DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+PRECISION_OF = {name: precision for precision, name in TORCH_DTYPES.items()}
 """``config.json``'s ``dtype`` -> our ``train.precision``."""
 
 

@@ -116,7 +116,7 @@ def prepare(source: str, out: str, name: Optional[str] = None,
         raise ConfigError(f"--seq-length={seq_length} must be >= 1")
     model = architecture.model_config(cfg, name, seq_length)
     dtype = cfg.get("dtype", cfg.get("torch_dtype")) or "float32"
-    precision = precision or architecture.DTYPES.get(dtype, "fp32")
+    precision = precision or architecture.PRECISION_OF.get(dtype, "fp32")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"out_dir={out} exists and is not empty: choose a new directory")
     probe = os.path.dirname(os.path.abspath(out))

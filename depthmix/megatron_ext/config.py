@@ -48,14 +48,14 @@ def to_transformer_config(run: RunConfig):
     Hugging Face configs ("initializer range"), so output projections are *not* scaled by
     1/sqrt(2L) as Megatron's default would; embeddings untied unless ``model.tie_embeddings``.
     """
-    import torch
     import torch.nn.functional as F
     from megatron.core.utils import init_method_normal
 
     from depthmix.megatron_ext.loss import enabled as fused_loss_enabled
+    from depthmix.runtime.precision import torch_dtype
 
     m, p, t = run.model, run.parallel, run.train
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[t.precision]
+    dtype = torch_dtype(t.precision)
     init = init_method_normal(m.init_std)
     return DepthMixConfig(
         # architecture

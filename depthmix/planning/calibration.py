@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from tabulate import tabulate
+
 from depthmix.planning.hardware import H100
 from depthmix.planning.units import GIB
 
@@ -161,17 +163,19 @@ def compare(row: Row, vanilla) -> Comparison:
 
 
 def table(vanilla, rows=ROWS) -> str:
-    lines = ["| model | GPUs | source | published | MFU published | planner's choice | "
-             "published / chosen step time | MFU predicted |",
-             "|---|---:|---|---|---:|---|---:|---:|"]
+    """Markdown: each row's published layout against the planner's choice."""
+    body = []
     for row in rows:
         c = compare(row, vanilla)
         mfu = f"{row.published_mfu:.0%}" if row.published_mfu else "–"
         ratio = "does not fit" if c.published is None else f"{c.ratio:.3f}"
-        lines.append(f"| {row.name} | {row.gpus} x {row.gpu.upper()} | {row.source} | "
-                     f"{row.published()} | {mfu} | {c.chosen.layout.short()} | {ratio} | "
-                     f"{c.predicted_mfu(c.chosen):.0%} |")
-    return "\n".join(lines)
+        body.append([row.name, f"{row.gpus} x {row.gpu.upper()}", row.source, row.published(),
+                     mfu, c.chosen.layout.short(), ratio, f"{c.predicted_mfu(c.chosen):.0%}"])
+    head = ["model", "GPUs", "source", "published", "MFU published", "planner's choice",
+            "published / chosen step time", "MFU predicted"]
+    return tabulate(body, head, tablefmt="pipe", disable_numparse=True,
+                    colalign=("left", "right", "left", "left", "right", "left", "right",
+                              "right"))
 
 
 if __name__ == "__main__":  # a program: above the mixers, it may look one up

@@ -21,6 +21,7 @@ import sys
 from typing import TextIO
 
 from omegaconf import OmegaConf
+from tabulate import tabulate
 
 from depthmix.config.load import to_container
 from depthmix.config.schema import RunConfig
@@ -66,13 +67,13 @@ def report(run: RunConfig, mixer, world_size: int, out: TextIO = sys.stdout) -> 
                          f"{c['layers'].stop - 1}" + (f" + {tag}" if tag else ""))
         w(f"  pp rank {e.pp_rank} (global ranks {e.global_ranks}): {'; '.join(parts)}\n")
     w("\n# per-rank memory estimate (one TP x DP rank of each stage)\n")
-    w(f"{'pp rank':>7} {'params':>10} {'weights+grads+optim':>20} {'activations':>12} "
-      f"{'in flight':>9} {'total':>10} {'sends/micro-batch':>18} {'p2p buffers':>12}\n")
-    for e in estimates:
-        sends = fmt_bytes(e.payload_bytes, "MiB", digits=1) if e.payload_bytes else "-"
-        w(f"{e.pp_rank:>7} {human(e.params):>10} {_gib(e.state_bytes):>20} "
-          f"{_gib(e.activation_bytes):>12} {e.inflight_microbatches:>9} "
-          f"{_gib(e.total_bytes):>10} {sends:>18} {_gib(e.p2p_buffer_bytes):>12}\n")
+    rows = [[str(e.pp_rank), human(e.params), _gib(e.state_bytes), _gib(e.activation_bytes),
+             str(e.inflight_microbatches), _gib(e.total_bytes),
+             fmt_bytes(e.payload_bytes, "MiB", digits=1) if e.payload_bytes else "-",
+             _gib(e.p2p_buffer_bytes)] for e in estimates]
+    w(tabulate(rows, ["pp rank", "params", "weights+grads+optim", "activations", "in flight",
+                      "total", "sends/micro-batch", "p2p buffers"],
+               tablefmt="plain", stralign="right", disable_numparse=True) + "\n")
     total = total_params(run, mixer, shape)
     per_param = memory.state_bytes_per_param(t.precision, p.distributed_optimizer, dp)
     w(f"model parameters: {human(total)} ({total:,}); bytes/param for weights+grads+"

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
+from tabulate import tabulate
+
 from depthmix.planning.flops import flops_per_token
 from depthmix.planning.pipeline import PipelineLayout, geometry_of
 from depthmix.planning.shape import Shape
@@ -77,6 +79,4 @@ def table(rows: List[Overheads], prefill: int) -> str:
              f"{100 * r.flops_share:.4f}%", fmt_bytes(r.io_bytes_per_layer),
              fmt_bytes(r.io_bytes_per_token), fmt_bytes(r.state_bytes), human(r.params),
              fmt_bytes(r.pipeline_bytes)) for r in rows]
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in (head, *body)]
-    return "\n".join(lines)
+    return tabulate(body, head, tablefmt="plain", disable_numparse=True)

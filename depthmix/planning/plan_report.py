@@ -7,6 +7,8 @@ import dataclasses
 import sys
 from typing import List, Optional, Sequence, TextIO
 
+from tabulate import tabulate
+
 from depthmix.config.schema import RunConfig, overlap_at
 from depthmix.planning import step_time
 from depthmix.planning.planner import Candidate, Cluster, evaluate, gib, plan
@@ -132,13 +134,12 @@ def report(run: RunConfig, mixer, cluster: Cluster, argv: Sequence[str], top: in
     if warning:
         w(f"{warning}\n")
     w(f"{len(everyone)} valid layouts, {len(fitting)} fit memory\n\n")
-    w(f"{'layout':<40} {'step s':>8} {'tokens/s':>10} {'peak GiB':>9}  "
-      + " ".join(f"{k:>9}" for k in TERMS) + "  why slower\n")
-    for c in fitting[:top]:
-        reason = "chosen" if c is win else why_slower(c, win)
-        w(f"{c.layout.short():<40} {c.step_seconds:>8.3f} {c.tokens_per_s:>10,.0f} "
-          f"{c.peak_bytes / GIB:>9.1f}  " + " ".join(f"{c.seconds[k]:>9.3f}" for k in TERMS)
-          + f"  {reason}\n")
+    rows = [[c.layout.short(), f"{c.step_seconds:.3f}", f"{c.tokens_per_s:,.0f}",
+             f"{c.peak_bytes / GIB:.1f}", *[f"{c.seconds[k]:.3f}" for k in TERMS],
+             "chosen" if c is win else why_slower(c, win)] for c in fitting[:top]]
+    w(tabulate(rows, ["layout", "step s", "tokens/s", "peak GiB", *TERMS, "why slower"],
+               tablefmt="plain", colalign=("left", *["right"] * (3 + len(TERMS)), "left"),
+               disable_numparse=True) + "\n")
     too_big = [c for c in everyone if c not in fitting]
     if too_big:
         fastest = min(too_big, key=lambda c: c.step_seconds)

@@ -5,7 +5,7 @@ The trainer and ``train.dry_run`` call this one function. It runs the option che
 the checks that touch files:
 
 * data and tokenizer: :func:`depthmix.data.checks.check_data`;
-* checkpoints (:mod:`depthmix.checkpoint.store`): the save directory exists as a writable
+* checkpoints (:mod:`depthmix.checkpoint.store`, :mod:`~depthmix.checkpoint.resume`): the save directory exists as a writable
   directory or can be created; the checkpoint a run would resume fits its configuration;
 * compilation (``train.compile=true``): a recent enough torch, a C++ compiler for inductor
   on CPU, and no option the compiled layers cannot run;
@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import shutil
 
-from depthmix.checkpoint.store import check_save_dir, preflight_checkpoint
+from depthmix.checkpoint.resume import preflight_checkpoint
+from depthmix.checkpoint.store import check_save_dir
 from depthmix.config.schema import ConfigError, RunConfig
 from depthmix.config.validate import validate
 from depthmix.data.checks import check_data

@@ -11,7 +11,7 @@ from typing import List, Optional
 import numpy as np
 from megatron.core.distributed import finalize_model_grads
 
-from depthmix.checkpoint import distributed, store
+from depthmix.checkpoint import distributed, resume, store
 from depthmix.config.schema import RunConfig
 from depthmix.megatron_ext.config import to_transformer_config
 from depthmix.mixers import mixer_of
@@ -126,8 +126,8 @@ class Trainer:
 
     def resume(self) -> None:
         """Continue from the save directory's checkpoint, else ``train.load_dir``'s (see
-        :func:`~depthmix.checkpoint.distributed.resume_point`), else start fresh."""
-        point = distributed.resume_point(self.run, self.state.save_dir)
+        :func:`~depthmix.checkpoint.resume.resume_point`), else start fresh."""
+        point = resume.resume_point(self.run, self.state.save_dir)
         if point is None:
             return
         path, weights_only = point
@@ -185,7 +185,7 @@ class Trainer:
         """Collective: reload the newest healthy intact checkpoint of the save directory and
         keep the data position (continue after the window that failed). False when there is
         none: the step is skipped instead."""
-        path = distributed.rollback_point(self.state.save_dir, self.run.train.ckpt_integrity)
+        path = resume.rollback_point(self.state.save_dir, self.run.train.ckpt_integrity)
         if path is None:
             if self.topo.is_logging_rank:
                 log.warning("step %d: %s, but no healthy checkpoint in %s to roll back to: "

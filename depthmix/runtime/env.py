@@ -92,20 +92,16 @@ def launcher_rank(env: Mapping[str, str] = os.environ) -> int:
     return 0
 
 
-def expand_nodelist(nodelist: str) -> list:
-    """``node[001-003,007],gpu5`` -> ``['node001', 'node002', 'node003', 'node007', 'gpu5']``."""
-    hosts = []
-    for prefix, ranges, single in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if single:
-            hosts.append(single)
-            continue
-        for part in ranges.split(","):
-            if "-" in part:
-                lo, hi = part.split("-")
-                hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)]
-            else:
-                hosts.append(f"{prefix}{part}")
-    return hosts
+def hostnames(nodelist: str) -> list:
+    """The hosts of a SLURM node list (``node[001-003],gpu5``), as SLURM itself expands it
+    (``scontrol show hostnames``; an empty list: the job's own)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", *([nodelist] if nodelist else [])],
+                             capture_output=True, text=True, check=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"SLURM node list {nodelist!r}: scontrol is not on PATH to expand "
+                           "it; set MASTER_ADDR") from None
+    return out.stdout.split()
 
 
 def master_port(job_id: str) -> int:
@@ -121,12 +117,7 @@ def ensure_distributed_env(env=os.environ) -> bool:
         return False
     if "MASTER_ADDR" not in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
-        hosts = expand_nodelist(nodelist) if nodelist else []
-        if not hosts:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist],
-                                 capture_output=True, text=True, check=True)
-            hosts = out.stdout.split()
-        env["MASTER_ADDR"] = hosts[0]
+        env["MASTER_ADDR"] = hostnames(nodelist)[0]
     env.setdefault("MASTER_PORT", str(master_port(env.get("SLURM_JOB_ID", "0"))))
     env["RANK"] = env["SLURM_PROCID"]
     env["WORLD_SIZE"] = env["SLURM_NTASKS"]

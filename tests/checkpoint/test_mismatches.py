@@ -3,7 +3,8 @@
 import pytest
 
 from depthmix.checkpoint.record import mismatches, record
-from depthmix.checkpoint.store import check_record, write_meta
+from depthmix.checkpoint.resume import check_record
+from depthmix.checkpoint.store import write_meta
 from depthmix.config.schema import ConfigError
 from depthmix.testing import tiny_run
 

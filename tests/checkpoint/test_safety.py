@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from depthmix.checkpoint import integrity, store
+from depthmix.checkpoint import integrity, resume, store
 from depthmix.config.schema import ConfigError
 from depthmix.pretrain.callbacks import CheckpointCallback
 from depthmix.megatron_ext.model import unwrap
@@ -116,7 +116,7 @@ def test_missing_or_unreadable_tracker_resumes_from_the_newest_complete(saved, t
 def test_unhealthy_newest_checkpoint_is_passed_over(saved, tmp_path, caplog):
     root, _ = saved
     store.set_health(store.step_dir(root, 3), healthy=False)
-    assert store.resume_candidates(root, warn=False) == [store.step_dir(root, 2),
+    assert resume.resume_candidates(root, warn=False) == [store.step_dir(root, 2),
                                                         store.step_dir(root, 3)]
     with caplog.at_level(logging.WARNING, logger="depthmix"):
         t = _resume(tmp_path)
@@ -155,12 +155,12 @@ def test_other_configuration_is_refused_before_the_model_is_built(saved, tmp_pat
     run = _run(tmp_path / "other", load_dir=root, precision="bf16")
     run.model.seq_length = 32
     with pytest.raises(ConfigError) as err:
-        store.preflight_checkpoint(run)
+        resume.preflight_checkpoint(run)
     message = str(err.value)
     assert "model.seq_length: checkpoint 16, this run 32" in message
     assert "train.precision: checkpoint 'fp32', this run 'bf16'" in message
     assert "add train.load_weights_only=true" in message
-    assert store.preflight_checkpoint(_run(tmp_path)) == store.step_dir(root, 3)
+    assert resume.preflight_checkpoint(_run(tmp_path)) == store.step_dir(root, 3)
 
 
 def test_load_weights_only_fine_tunes_across_mixers(saved, tmp_path):

@@ -151,11 +151,3 @@ def test_normal_runs_print_no_library_lines_and_eval_writes_beside_its_results(c
     _quiet_run(["depthmix.cli.export", ckpt, str(tmp_path / "hf")], tmp_path)
     _quiet_run(["depthmix.cli.overheads", "model=tiny", "--mixers", "depth_attn,moda"],
                tmp_path)
-
-
-def test_export_dtypes_are_the_exporters():
-    """``depthmix-export --dtype`` choices are listed without importing the exporter."""
-    from depthmix.cli.export import DTYPES
-    from depthmix.export.hf import DTYPES as EXPORTER
-
-    assert tuple(DTYPES) == tuple(EXPORTER)

@@ -18,6 +18,7 @@ import pytest
 from depthmix.cli.sweep import format_cell
 from cli_runs import base_env
 from run_harness import PYTHON, run_cli
+from tools_modules import markdown_rows
 from wandb_files import read_run, run_dirs
 
 # one shared sweep: its tests stay on one xdist worker
@@ -115,7 +116,9 @@ def test_summary_has_each_jobs_own_losses(sweep):
         # each job's own wall time, not the time since the multirun started
         assert 0 < float(row["wall_s"]) < 0.8 * sweep.seconds
     assert "train.steps" not in rows[0] and "model" not in rows[0]
-    assert "| mixer.stride |" in open(os.path.join(sweep.root, "summary.md")).read()
+    markdown = markdown_rows(open(os.path.join(sweep.root, "summary.md")).read())
+    assert markdown[0][:2] == ["job", "mixer.stride"]
+    assert [row[1] for row in markdown[1:]] == [str(s) for s in STRIDES]
     assert "sweep summary:" in sweep.stdout
     # every path printed can be pasted into a shell ('=' and ',' are safe there, '[' not)
     printed = [line.split(": ", 1)[1].split(" (")[0] for line in sweep.stdout.splitlines()

@@ -122,8 +122,8 @@ def test_the_output_is_a_checkpoint_a_preset_and_the_tokenizer(imported, hf_dirs
 def test_a_full_resume_of_an_import_is_refused_naming_the_option(imported):
     """No optimizer state, step or data position: only a weights-only start."""
     from depthmix.config.load import compose_run
+    from depthmix.checkpoint.resume import preflight_checkpoint
     from depthmix.config.schema import ConfigError
-    from depthmix.checkpoint.store import preflight_checkpoint
 
     out = imported["qwen3"]
     run = compose_run(f"hydra.searchpath=[file://{out}/configs]", "model=qwen3",
@@ -145,7 +145,8 @@ def test_a_directory_without_a_checkpoint_names_the_closest_below_it(imported, t
     """A directory above the imports: every command says what it looked for and names the
     nearest checkpoint directory below (the newest of equals), then ``train.load_dir`` too
     (at start-up)."""
-    from depthmix.checkpoint.store import TRACKER, preflight_checkpoint
+    from depthmix.checkpoint.resume import preflight_checkpoint
+    from depthmix.checkpoint.store import TRACKER
     from depthmix.cli.generate import main as generate
     from depthmix.config.load import compose_run
     from depthmix.config.schema import ConfigError

@@ -1,7 +1,8 @@
-"""Small pure functions: the run key (one output directory per job), SLURM node lists and
-environment, the PNG writer, depth-statistics summaries."""
+"""Small pure functions: the run key (one output directory per job), the SLURM
+environment (its node list through scontrol), the heatmaps, depth-statistics summaries."""
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from depthmix.pretrain.callbacks import depth_stats
 from depthmix.runtime import env as launch_env
 
-from png_files import read_png
+from cli_runs import FAKE_SLURM
 
 
 def test_run_key_is_shared_by_the_ranks_of_one_job():
@@ -29,26 +30,26 @@ def test_run_key_is_shared_by_the_ranks_of_one_job():
     assert launch_env.run_key({}).startswith("local/" + time.strftime("%Y-%m-%d"))
 
 
-def test_expand_nodelist():
-    assert launch_env.expand_nodelist("node[001-003,007],gpu5") == \
-        ["node001", "node002", "node003", "node007", "gpu5"]
-    assert launch_env.expand_nodelist("a1") == ["a1"]
-    assert launch_env.expand_nodelist("h[9-11]") == ["h9", "h10", "h11"]
-
-
 def test_master_port_is_derived_from_the_job_id():
     assert launch_env.master_port("4242") == 24242
     assert launch_env.master_port("123456789") == 20000 + 456789 % 20000
     assert 20000 <= launch_env.master_port("12_3") < 40000
 
 
-def test_distributed_env_from_srun_tasks():
+@pytest.mark.multiproc(at_once=1)
+def test_distributed_env_from_srun_tasks(tmp_path, monkeypatch):
+    """MASTER_ADDR is the first host SLURM's ``scontrol show hostnames`` names for the job's
+    node list (the fake one records the call and answers with FAKE_SLURM_HOSTNAMES)."""
+    monkeypatch.setenv("PATH", os.pathsep.join([FAKE_SLURM, os.environ["PATH"]]))
+    monkeypatch.setenv("FAKE_SLURM_DIR", str(tmp_path))
+    monkeypatch.setenv("FAKE_SLURM_HOSTNAMES", "gpu01 gpu02")
     env = {"SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1",
            "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "4242",
            "SLURM_NTASKS_PER_NODE": "8(x2)"}
     assert launch_env.ensure_distributed_env(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("9", "16", "1")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("gpu01", "24242")
+    assert (tmp_path / "calls").read_text().splitlines() == ["scontrol show hostnames gpu[01-02]"]
     assert env["LOCAL_WORLD_SIZE"] == "8"
     assert launch_env.launcher_rank(env) == 9
     torchrun = {"RANK": "3", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
@@ -73,23 +74,20 @@ def test_nonzero_ranks_are_quiet(tmp_path):
         logging.getLogger("depthmix").setLevel(logging.NOTSET)
 
 
-def test_png_round_trip():
-    rng = np.random.default_rng(0)
-    rgb = rng.integers(0, 256, (7, 5, 3), dtype=np.uint8)
-    assert np.array_equal(read_png(depth_stats.png_bytes(rgb)), rgb)
-    grey = rng.integers(0, 256, (3, 9), dtype=np.uint8)
-    assert np.array_equal(read_png(depth_stats.png_bytes(grey)), grey)
-    with pytest.raises(ValueError):
-        depth_stats.png_bytes(np.zeros((2, 2, 4), dtype=np.uint8))
-
-
 def test_heatmap_colours():
+    """matplotlib's viridis from the smallest to the largest value, NaN grey, a white grid."""
+    from matplotlib import colormaps
+
     image = depth_stats.render(np.array([[0.0, 1.0], [np.nan, 0.5]]), cell=4)
-    assert image.shape == (8, 8, 3)
-    assert tuple(image[0, 0]) == (68, 1, 84)  # minimum: viridis dark purple
-    assert tuple(image[0, 4]) == (253, 231, 37)  # maximum: yellow
-    assert tuple(image[4, 0]) == (235, 235, 235)  # missing
+    assert image.shape == (8, 8, 3) and image.dtype == np.uint8
+    viridis = colormaps["viridis"]
+    assert tuple(image[0, 0]) == tuple(viridis(0.0, bytes=True)[:3]) == (68, 1, 84)
+    assert tuple(image[0, 4]) == tuple(viridis(1.0, bytes=True)[:3])  # yellow
+    assert tuple(image[4, 4]) == tuple(viridis(0.5, bytes=True)[:3])
+    assert tuple(image[4, 0]) == depth_stats.MISSING
     assert tuple(image[3, 0]) == (255, 255, 255)  # grid line
+    flat = depth_stats.render(np.array([[0.3, 0.3]]), cell=1)  # one value: the bottom colour
+    assert flat.shape == (1, 2, 3) and (flat == image[0, 0]).all()
 
 
 def test_summarise_depth_stats():

@@ -1,7 +1,7 @@
 """W&B offline, 2 ranks at PP=2 (the logging rank is the last stage, rank 1): the local run
 files hold the metrics and the resolved config; a run resumed from the checkpoint writes to
-the same run id; depth statistics recorded on both stages arrive as heatmaps (PNG files,
-an HTML panel since Pillow is absent), tables and scalars."""
+the same run id; depth statistics recorded on both stages arrive as heatmaps (PNG files
+and W&B images), tables and scalars."""
 
 import glob
 import math
@@ -9,9 +9,9 @@ import os
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from run_harness import make_run, spawn, train
-from png_files import read_png
 from wandb_files import read_run, run_dirs
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -104,15 +104,15 @@ def test_depth_stats_from_both_stages(runs):
         p = fake_weights(u)
         assert rows[0][f"depth/weights/entropy/layer{u}"] == pytest.approx(-(p * np.log(p)).sum())
         assert rows[0][f"depth/weights/max/layer{u}"] == pytest.approx(p.max())
-    assert rows[0]["depth/weights/heatmap/_type"] == "html-file"
-    html = [f for f in first["files"] if f.startswith("files/media/html/")]
-    assert html and "data:image/png;base64," in open(
-        os.path.join(run_dirs(runs["out"])[0], html[0])).read()
+    assert rows[0]["depth/weights/heatmap/_type"] == "image-file"
     assert rows[0]["depth/weights/table/_type"] == "table-file"
     pngs = sorted(glob.glob(os.path.join(runs["out"], "depth_stats", "weights", "*.png")))
     assert [os.path.basename(p) for p in pngs] == \
         ["step_0000002.png", "step_0000004.png", "step_0000006.png"]
-    image = read_png(open(pngs[0], "rb").read())
+    image = np.asarray(Image.open(pngs[0]))
+    logged = os.path.join(run_dirs(runs["out"])[0], "files",
+                          rows[0]["depth/weights/heatmap/path"])  # what W&B shows: the same
+    assert np.array_equal(np.asarray(Image.open(logged).convert("RGB")), image)
     assert image.shape == (4 * 12, 4 * 12, 3)  # 4 layers x 4 sources, 12-px cells
     # layer 0 has one source: the cells right of it are "missing" grey
     assert tuple(image[5, 12 + 5]) == (235, 235, 235)

@@ -30,7 +30,7 @@ def test_profile_prints_where_the_time_goes_and_writes_a_trace(tmp_path, capsys)
     tool = load_tool("bench_kernels")
     case = bench.hooks("mhc").cases(smoke=True)[0]  # Sinkhorn, the reference path
     tool.profile("sinkhorn torch", case.candidates["torch"], case.make_inputs, iters=2,
-                 warmup=1, trace_dir=str(tmp_path))
+                 trace_dir=str(tmp_path), rep_ms=10)
     out = capsys.readouterr().out
     assert "sinkhorn torch: wall" in out and "(2 calls)" in out, out
     assert "aten::div" in out, out  # Sinkhorn's normalisations, forward and backward

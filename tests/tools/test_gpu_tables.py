@@ -9,7 +9,7 @@ import copy
 import os
 
 from depthmix.planning import gpu_runs
-from tools_modules import TOOLS, load_tool
+from tools_modules import TOOLS, load_tool, markdown_rows
 
 ROOT = os.path.dirname(TOOLS)
 
@@ -69,13 +69,14 @@ def test_the_generated_tables_show_each_verdict():
     assert gpu_runs.validate(doc) == []
     generated = tables.tables(doc)
     assert list(generated) == ["environment", "mixers", "checks"]
-    mixers = generated["mixers"].splitlines()
-    assert "| depth_attn | triton | eager | 101.0 | 1.01 |" in mixers[3]
-    assert mixers[3].endswith("| 1.00 | pass (≤ 101.5) |")
-    assert mixers[4].endswith("| 7.00 | fail (≤ 110.5) |")
-    assert mixers[5].endswith("| oom: OutOfMemoryError: CUDA out of memory |")
-    assert "| triton_vs_torch/mhc | **FAIL** | max loss difference 5.00e-01" in \
-        generated["checks"]
+    mixers = markdown_rows(generated["mixers"])
+    assert mixers[2][:5] == ["depth_attn", "triton", "eager", "101.0", "1.01"]
+    assert mixers[2][-2:] == ["1.00", "pass (≤ 101.5)"]
+    assert mixers[3][-2:] == ["7.00", "fail (≤ 110.5)"]
+    assert mixers[4][-1] == "oom: OutOfMemoryError: CUDA out of memory"
+    check = markdown_rows(generated["checks"])[1]
+    assert check[:2] == ["triton_vs_torch/mhc", "**FAIL**"]
+    assert check[2].startswith("max loss difference 5.00e-01")
     stem = tables.stem_of(doc)
     assert stem == "2026-12-01-h100-0123456789"
     text, problems = tables.render(f"{tables.ANCHOR}\n", {stem: doc})

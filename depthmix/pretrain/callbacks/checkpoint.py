@@ -17,7 +17,7 @@ log = logging.getLogger("depthmix")
 class CheckpointCallback(Callback):
     """Save every ``train.save_interval`` steps, at the end and when stopped, into the run's
     save directory (``trainer.state.save_dir``; which checkpoint a run resumes from is the
-    trainer's: :func:`depthmix.checkpoint.distributed.resume_point`).
+    trainer's: :func:`depthmix.checkpoint.resume.resume_point`).
 
     With ``train.async_save`` the interval saves are written in the background
     (:mod:`depthmix.checkpoint.background`): each step then polls the pending write and

@@ -13,17 +13,15 @@ averaging the leading ones; shorter rows padded with NaN) and scalars:
 * ``depth/<name>/entropy/layer<u>`` (natural log; of the row renormalised to sum 1, when
   non-negative) and ``depth/<name>/max/layer<u>`` for vector records, plus their means.
 
-Each matrix is drawn (:func:`render`: viridis, rows layers, columns sources, NaN grey) and
-written to ``<output_dir>/depth_stats/<name>/step_<k>.png`` (:func:`png_bytes`, without
-matplotlib or Pillow). A vanilla model records nothing; then nothing is written or logged.
+Each matrix is drawn (:func:`render`: matplotlib's viridis, rows layers, columns sources,
+NaN grey) and written by Pillow to ``<output_dir>/depth_stats/<name>/step_<k>.png``. A
+vanilla model records nothing; then nothing is written or logged.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import struct
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
@@ -47,7 +45,6 @@ class DepthStats:
     scalars: Dict[str, float]
     images: Dict[str, np.ndarray]
     """The heatmap of each matrix, ``[h, w, 3]`` uint8."""
-    pngs: Dict[str, bytes]
 
 
 class DepthStatsCallback(Callback):
@@ -64,16 +61,16 @@ class DepthStatsCallback(Callback):
         recorded = collect(trainer)
         if not recorded:  # other ranks, or a mixer that records nothing (vanilla)
             return
+        from PIL import Image
+
         matrices, scalars = summarise(recorded)
-        images = {name: render(matrix) for name, matrix in matrices.items()}
-        stats = DepthStats(trainer.step, matrices, scalars, images,
-                           {name: png_bytes(image) for name, image in images.items()})
-        for name, png in stats.pngs.items():
+        stats = DepthStats(trainer.step, matrices, scalars,
+                           {name: render(matrix) for name, matrix in matrices.items()})
+        for name, image in stats.images.items():
             directory = os.path.join(trainer.run.output_dir, "depth_stats",
                                      name.replace("/", "_"))
             os.makedirs(directory, exist_ok=True)
-            with open(os.path.join(directory, f"step_{trainer.step:07d}.png"), "wb") as f:
-                f.write(png)
+            Image.fromarray(image).save(os.path.join(directory, f"step_{trainer.step:07d}.png"))
         for consumer in self.consumers:
             consumer.log_depth_stats(trainer, stats)
 
@@ -165,28 +162,21 @@ def summarise(stats: Dict[str, torch.Tensor]) -> Tuple[Dict[str, np.ndarray], Di
 
 
 # ---------------------------------------------------------------------------------------
-# Heatmaps as PNG: a numpy matrix -> colour-mapped RGB -> PNG
+# Heatmaps: a numpy matrix -> colour-mapped RGB
 # ---------------------------------------------------------------------------------------
 
-# viridis at 9 evenly spaced points (RGB 0-255), interpolated linearly in between
-_VIRIDIS = np.array([
-    [68, 1, 84], [71, 44, 122], [59, 81, 139], [44, 113, 142], [33, 144, 141],
-    [39, 173, 129], [92, 200, 99], [170, 220, 50], [253, 231, 37],
-], dtype=np.float64)
-_MISSING = np.array([235, 235, 235], dtype=np.float64)  # NaN cells (no such source)
+MISSING = (235, 235, 235)
+"""The colour of NaN cells (no such source), light grey."""
 
 
 def colormap(values: np.ndarray, vmin: float, vmax: float) -> np.ndarray:
-    """``[..]`` floats -> ``[.., 3]`` uint8 viridis; NaN -> light grey."""
-    values = np.asarray(values, dtype=np.float64)
-    span = vmax - vmin if vmax > vmin else 1.0
-    x = np.clip((np.nan_to_num(values, nan=vmin) - vmin) / span, 0.0, 1.0)
-    pos = x * (len(_VIRIDIS) - 1)
-    lo = np.floor(pos).astype(int).clip(0, len(_VIRIDIS) - 2)
-    frac = (pos - lo)[..., None]
-    rgb = _VIRIDIS[lo] * (1 - frac) + _VIRIDIS[lo + 1] * frac
-    rgb[np.isnan(values)] = _MISSING
-    return rgb.round().astype(np.uint8)
+    """``[..]`` floats -> ``[.., 3]`` uint8 through matplotlib's viridis over
+    ``[vmin, vmax]`` (clipped); NaN -> :data:`MISSING`."""
+    from matplotlib import colormaps, colors
+
+    cmap = colormaps["viridis"].with_extremes(bad=np.array(MISSING) / 255)
+    norm = colors.Normalize(vmin, vmax, clip=True)
+    return cmap(norm(np.asarray(values, dtype=np.float64)), bytes=True)[..., :3]
 
 
 def render(matrix: np.ndarray, cell: int = 12, vmin: float = None, vmax: float = None
@@ -203,25 +193,3 @@ def render(matrix: np.ndarray, cell: int = 12, vmin: float = None, vmax: float =
         image[cell - 1::cell, :, :] = 255
         image[:, cell - 1::cell, :] = 255
     return image
-
-
-def png_bytes(image: np.ndarray) -> bytes:
-    """``[h, w, 3]`` (RGB) or ``[h, w]`` (grey) uint8 -> PNG file contents."""
-    image = np.ascontiguousarray(image, dtype=np.uint8)
-    if image.ndim == 2:
-        height, width = image.shape
-        colour_type = 0
-    elif image.ndim == 3 and image.shape[2] == 3:
-        height, width, _ = image.shape
-        colour_type = 2
-    else:
-        raise ValueError(f"expected [h, w] or [h, w, 3], got {image.shape}")
-    raw = b"".join(b"\x00" + image[row].tobytes() for row in range(height))  # filter: none
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))

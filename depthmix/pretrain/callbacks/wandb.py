@@ -16,14 +16,12 @@
   ``perf/{tokens_per_s,tflops_per_device,mfu,step_time_s}``, ``mem/*``; after each
   evaluation ``val/{loss,ppl}``; the depth statistics a
   :class:`~depthmix.pretrain.callbacks.depth_stats.DepthStatsCallback` hands over (every
-  ``logger.depth_stats_interval`` steps) as heatmaps (``depth/<name>/heatmap``; a
-  ``wandb.Image`` when Pillow is installed, else an HTML panel with the PNG inline), a
-  table and scalars.
+  ``logger.depth_stats_interval`` steps) as heatmaps (``depth/<name>/heatmap``, a
+  ``wandb.Image``), a table and scalars.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import math
 import os
@@ -37,14 +35,6 @@ from depthmix.pretrain.callbacks.base import Callback
 from depthmix.runtime.log import say, short_path
 
 log = logging.getLogger("depthmix")
-
-def _pil_available() -> bool:
-    try:
-        import PIL.Image  # noqa: F401
-
-        return True
-    except ImportError:
-        return False
 
 
 def default_name(run, point=None) -> str:
@@ -170,16 +160,8 @@ class WandbLogger(Callback):
 
         data = dict(stats.scalars)
         for name, matrix in stats.matrices.items():
-            image, png = stats.images[name], stats.pngs[name]
             caption = f"{name} at step {stats.step}: rows = layers, columns = sources"
-            if _pil_available():
-                data[f"depth/{name}/heatmap"] = wandb.Image(image, caption=caption)
-            else:
-                b64 = base64.b64encode(png).decode()
-                data[f"depth/{name}/heatmap"] = wandb.Html(
-                    f'<figure><img src="data:image/png;base64,{b64}" '
-                    f'style="image-rendering:pixelated;width:{4 * image.shape[1]}px">'
-                    f"<figcaption>{caption}</figcaption></figure>")
+            data[f"depth/{name}/heatmap"] = wandb.Image(stats.images[name], caption=caption)
             columns = ["layer"] + [f"source{j}" for j in range(matrix.shape[1])]
             rows = [[u] + [None if math.isnan(v) else float(v) for v in matrix[u]]
                     for u in range(matrix.shape[0]) if not all(map(math.isnan, matrix[u]))]
