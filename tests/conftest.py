@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 
@@ -18,6 +19,8 @@ from process_launches import Launches  # noqa: E402
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 MULTIPROC_GROUP = "multiproc"
+FULL = "full"
+NO_CUDA = "needs a CUDA GPU (tools/gpu_bench.py runs the gpu tests on one)"
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -37,14 +40,29 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, CORES // workers))
 
 
+def full_lane_deselected(markexpr: str) -> bool:
+    """Whether a run leaves out the tests marked ``full``: unless its ``-m`` expression
+    names ``full`` (``-m full``: only those; ``-m "not multiproc"``: the default lane's
+    in-process tests)."""
+    return re.search(rf"\b{FULL}\b", markexpr or "") is None
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Every test with several processes at once in one xdist group (named before xdist
+    """The default lane: tests marked ``full`` are deselected unless ``-m`` names the marker
+    (``pytest -m full`` runs the full lane alone).
+
+    Every test with several processes at once in one xdist group (named before xdist
     reads the groups), so at most one multi-rank test runs at a time while the other workers
     take the rest (``multiproc(at_once=1)``: one child beside the waiting test). xdist hands
     out the largest group first: the long serial lane starts at once. Other groups (a
     module's one-rank layouts, ``tests/layouts.py``; tests sharing a module fixture that
     trains) are named the same way."""
+    if full_lane_deselected(config.option.markexpr):
+        full = [item for item in items if item.get_closest_marker(FULL)]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if not item.get_closest_marker(FULL)]
     for item in items:
         if _allowed(item) > 1:
             item.add_marker(pytest.mark.xdist_group(MULTIPROC_GROUP))
@@ -63,8 +81,22 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") and not _has_cuda():
+        pytest.skip(NO_CUDA)
     item.launches = Launches()
     item.launches.install()
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_report_header(config):
+    if full_lane_deselected(config.option.markexpr):
+        return "default lane: tests marked full are left out (run them with -m full)"
+    return None
 
 
 def _allowed(item) -> int:
