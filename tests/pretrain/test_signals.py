@@ -1,12 +1,14 @@
 """A signal stops training where it is and saves (``PreemptionCallback``), in one process:
 the handler only sets a flag that the step's all-reduce turns into a stop, submitit's own
 handler runs after the save; SIGTERM during an evaluation stops within one eval batch and
-saves the step it belongs to; Ctrl-C saves and stops. (Through torchrun and
+saves the step it belongs to; Ctrl-C and SIGUSR1 save and stop. (Through torchrun and
 ``launch/local.sh``: ``tests/runtime/test_preemption.py``; a second Ctrl-C during a save:
 ``tests/checkpoint/test_save_guard.py``.)"""
 
 import os
 import signal
+
+import pytest
 
 from depthmix.checkpoint import store
 from depthmix.pretrain.callbacks import CheckpointCallback, PreemptionCallback
@@ -93,21 +95,24 @@ def test_sigterm_during_eval_saves_within_one_eval_batch(megatron_single, tmp_pa
 
 
 
-def test_ctrl_c_saves_and_stops(megatron_single, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1],
+                         ids=["ctrl_c", "sigusr1"])
+def test_a_signal_after_a_step_saves_it_and_stops(megatron_single, tmp_path, signum):
+    """Ctrl-C, or SIGUSR1 (what SLURM sends near the time limit, ``launch/slurm``)."""
     root = str(tmp_path / "ckpt")
-    # Python's default_int_handler, or SIG_IGN where the process started ignoring Ctrl-C
-    # (seen in a pytest-xdist worker under `coverage run`)
-    before = signal.getsignal(signal.SIGINT)
+    # SIGINT: Python's default_int_handler, or SIG_IGN where the process started ignoring
+    # Ctrl-C (seen in a pytest-xdist worker under `coverage run`)
+    before = signal.getsignal(signum)
 
-    class CtrlC(Callback):
+    class Send(Callback):
         def post_step(self, trainer, result):
             if trainer.step == 2:
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signum)
 
-    t = _trainer(root, callbacks=[CtrlC(), CheckpointCallback(), PreemptionCallback()],
+    t = _trainer(root, callbacks=[Send(), CheckpointCallback(), PreemptionCallback()],
                  steps=20)
     t.train()
     t.close()
-    assert t.step == 2 and t.stop_reason == "preempted (SIGINT)"
+    assert t.step == 2 and t.stop_reason == f"preempted ({signal.Signals(signum).name})"
     assert store.latest_checkpoint(root) == store.step_dir(root, 2)
-    assert signal.getsignal(signal.SIGINT) is before  # handlers restored
+    assert signal.getsignal(signum) is before  # handlers restored
