@@ -833,8 +833,10 @@ def check_id(nodeid: str) -> str:
     return f"checks/{os.path.basename(path)[:-3]}::{test}"
 
 
-PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q"]
-"""pytest in one process (no xdist workers, whatever the project's options say)."""
+PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
+          "--continue-on-collection-errors"]
+"""pytest in one process (no xdist workers, whatever the project's options say); a test
+module this machine cannot import costs its own tests only."""
 
 
 def gpu_tests() -> List[str]:
@@ -842,7 +844,7 @@ def gpu_tests() -> List[str]:
     proc = subprocess.run([*PYTEST, "--collect-only", "-m", "gpu", "tests"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     ids = [line for line in proc.stdout.splitlines() if "::" in line]
-    if proc.returncode != 0 or not ids:
+    if not ids:
         raise RuntimeError(f"pytest --collect-only -m gpu: exit {proc.returncode}: "
                            + (proc.stdout + proc.stderr)[-500:])
     return ids
