@@ -161,8 +161,8 @@ def test_the_tolerance_catches_a_real_change():
 
 
 _OTHER_KERNELS = textwrap.dedent("""
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
+    import json, os, sys
+    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]  # tests/golden, tests
     import test_golden_losses as golden
     print(json.dumps({"machine": golden.machine(),
                       "losses": golden.train("tp1", sys.argv[2].split(","))}))

@@ -2,8 +2,9 @@
 interpreter on CPU; spawned ranks inherit ``TRITON_INTERPRET=1``) trains the tiny model 2
 steps with the losses (1e-4 relative) and step-1 gradients (1e-4 of the gradient norm) of
 ``mixer.impl=torch``, for each mixer's ``kernels`` variant (``Mixer.variants``: every mixer
-with kernels, from the registry). At TP=1 by default; with full activation recomputation,
-TP=2 with sequence parallelism and PP=2 in the full lane. One process group per world size
+with kernels, from the registry). At TP=1 by default (one micro-batch a step); with full
+activation recomputation, TP=2 with sequence parallelism and PP=2 (two micro-batches a
+step) in the full lane. One process group per world size
 holds all of its runs. Also, in this process: a model holds the kernel its ``mixer.impl``
 resolved to, and MoDA's two Triton paths give the torch model's logits and gradients. On
 a GPU (``gpu``): the compiled kernels in bf16 at the 1.5B widths give the torch losses."""
@@ -18,12 +19,13 @@ from layouts import PerWorld, layout_params
 STEPS = 2  # the second step's forward runs the kernels on updated weights
 
 CASES = {test_id: (mixer, variant) for test_id, mixer, variant in variant_cases("kernels")}
-# layout: (world size, parallel options); the first is the default lane's
+# layout: (world size, parallel options, micro-batches a step); the first is the default
+# lane's (one micro-batch: what the kernels see is the same, at half the interpreter's time)
 LAYOUTS = {
-    "tp1": (1, {}),
-    "recompute": (1, {"recompute": "full"}),
-    "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}),
-    "pp2": (2, {"pp": 2}),
+    "tp1": (1, {}, 1),
+    "recompute": (1, {"recompute": "full"}, 2),
+    "tp2_sp": (2, {"tp": 2, "sequence_parallel": True}, 2),
+    "pp2": (2, {"pp": 2}, 2),
 }
 GRAD_RTOL = 1e-4
 
@@ -31,7 +33,8 @@ GRAD_RTOL = 1e-4
 def make_run(case: str, layout: str, impl: str):
     run = variant_run(*CASES[case])
     run.mixer.impl = impl
-    run.train.micro_batch_size, run.train.global_batch_size = 2, 4  # 2 micro-batches
+    run.train.micro_batch_size = 2
+    run.train.global_batch_size = 2 * LAYOUTS[layout][2]
     run.train.lr = 1e-2
     for key, value in LAYOUTS[layout][1].items():
         setattr(run.parallel, key, value)
@@ -53,7 +56,7 @@ def results(request):
     wanted = _layouts_run_here(request.session)
 
     def train(world):
-        keys = [(case, layout, impl) for layout, (w, _) in LAYOUTS.items()
+        keys = [(case, layout, impl) for layout, (w, *_) in LAYOUTS.items()
                 if w == world and layout in wanted
                 for case in CASES for impl in ("torch", "triton")]
         return dict(zip(keys, run_layouts([make_run(*k) for k in keys], world_size=world,
