@@ -795,7 +795,7 @@ def run_kernels(rf: RunFile, mx: Matrix, env: dict) -> None:
             rf.row("kernels", f"kernels/{key}/{name}", "kernel", measure)
 
 
-def run_checks(rf: RunFile, mx: Matrix, options: dict) -> None:
+def run_checks(rf: RunFile) -> None:
     """The ``gpu``-marked tests of ``tests/`` (``pytest -m gpu``; they skip without CUDA), in
     one pytest process, a row each: a new GPU-only check is a test with the marker."""
     began = time.monotonic()
@@ -919,7 +919,7 @@ def main(argv=None) -> int:
             elif part == "kernels":
                 run_kernels(rf, mx, env)
             else:
-                run_checks(rf, mx, options)
+                run_checks(rf)
             rf.end_part(part)
         except Exception as e:  # noqa: BLE001 -- a part that breaks leaves the others
             with open(rf.log_path, "a") as f:
