@@ -1,10 +1,12 @@
 import os
+import re
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+HAS_CUDA = __import__("torch").cuda.is_available()
 # Triton kernels run in Triton's interpreter on CPU; it must be chosen before triton.jit runs.
-if not __import__("torch").cuda.is_available():
+if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_SILENT", "true")
 # inductor compiles in the test's own process, not in a pool of worker processes: one core
@@ -18,8 +20,11 @@ from process_launches import Launches  # noqa: E402
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 MULTIPROC_GROUP = "multiproc"
+FULL = "full"
+NO_CUDA = "needs a CUDA GPU (tools/gpu_bench.py runs the gpu tests on one)"
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest without pytest-xdist (tools/gpu_bench.py)
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (pyproject's addopts): one worker per core, and none (a plain in-process
     run, so ``--pdb``/``-s``/breakpoints work) for named tests (``path::test``) or a debugger."""
@@ -37,15 +42,52 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, CORES // workers))
 
 
+def full_lane_deselected(markexpr: str) -> bool:
+    """Whether a run leaves out the tests marked ``full``: unless its ``-m`` expression
+    names ``full`` (``-m full``: only those; ``-m "not multiproc"``: the default lane's
+    in-process tests)."""
+    return re.search(rf"\b{FULL}\b", markexpr or "") is None
+
+
+def _named_tests(config) -> list:
+    """Node ids (or their prefixes up to a parametrization) named on the command line: a
+    test of the full lane named this way runs."""
+    named = []
+    for arg in config.args:
+        path, sep, rest = str(arg).partition("::")
+        if sep:
+            rel = os.path.relpath(os.path.abspath(path), str(config.rootpath))
+            named.append(f"{rel}::{rest}".replace(os.sep, "/"))
+    return named
+
+
+def _is_named(nodeid: str, named: list) -> bool:
+    return any(nodeid == n or nodeid.startswith((f"{n}[", f"{n}::")) for n in named)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Every test with several processes at once in one xdist group (named before xdist
+    """The default lane: tests marked ``full`` are deselected unless ``-m`` names the marker
+    (``pytest -m full`` runs the full lane alone) or the test is named (``path::test``).
+    Tests marked ``gpu`` skip without CUDA.
+
+    Every test with several processes at once in one xdist group (named before xdist
     reads the groups), so at most one multi-rank test runs at a time while the other workers
     take the rest (``multiproc(at_once=1)``: one child beside the waiting test). xdist hands
     out the largest group first: the long serial lane starts at once. Other groups (a
     module's one-rank layouts, ``tests/layouts.py``; tests sharing a module fixture that
     trains) are named the same way."""
+    if full_lane_deselected(config.option.markexpr):
+        named = _named_tests(config)
+        full = [item for item in items if item.get_closest_marker(FULL)
+                and not _is_named(item.nodeid.split("@")[0], named)]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            left_out = set(map(id, full))
+            items[:] = [item for item in items if id(item) not in left_out]
     for item in items:
+        if item.get_closest_marker("gpu") and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA))
         if _allowed(item) > 1:
             item.add_marker(pytest.mark.xdist_group(MULTIPROC_GROUP))
     result = yield
@@ -65,6 +107,12 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_setup(item):
     item.launches = Launches()
     item.launches.install()
+
+
+def pytest_report_header(config):
+    if full_lane_deselected(config.option.markexpr):
+        return "default lane: tests marked full are left out (run them with -m full)"
+    return None
 
 
 def _allowed(item) -> int:

@@ -18,17 +18,18 @@ def _cases(params) -> set:
     return {p.values[0] for p in params}
 
 
-# test file: the mixers its grid runs (by default, without the environment's longer grids)
+# test file: the mixers its grid runs in the default lane
 GRIDS = {
     "parallel/test_parity.py": lambda m: {mixer for mixer, _ in m.CASES.values()},
     "mixers/test_conformance.py": lambda m: _cases(m.cases("decode")) & _cases(
         m.cases("recompute")),
     "megatron_ext/test_transport.py": lambda m: _cases(m.CASES),
     "inference/test_generate.py": lambda m: _cases(m.CASES),
-    "ops/test_accounting.py": lambda m: {mixer for mixer, _ in m.VARIANTS.values()},
+    "planning/test_accounting.py": lambda m: {mixer for mixer, _ in m.VARIANTS.values()},
     "pretrain/test_compile.py": lambda m: set(m.MIXERS),
-    "ops/test_memory_model.py": lambda m: {mixer for mixer, _ in m._cases()},
+    "planning/test_memory_model.py": lambda m: set(m.ROTATION),
     "kernels/test_dispatch.py": lambda m: {mixer for mixer, _ in m.KERNEL_MIXERS.values()},
+    "kernels/test_stack.py": lambda m: {mixer for mixer, _ in m.CASES.values()},
     "golden/test_golden_losses.py": lambda m: {o.split("=", 1)[1] for case in m.CASES.values()
                                                for o in case if o.startswith("mixer=")},
 }
@@ -45,7 +46,7 @@ def _module(path: str):
 @pytest.mark.parametrize("path", sorted(GRIDS))
 def test_grid_runs_every_registered_mixer(path):
     expected = set(available())
-    if path == "kernels/test_dispatch.py":
+    if path.startswith("kernels/"):
         expected = {name for name in expected if get_mixer(name).kernels}
     missing = expected - GRIDS[path](_module(path))
     assert not missing, f"{path} does not run {sorted(missing)}"

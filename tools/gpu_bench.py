@@ -28,12 +28,12 @@ that runs it. The parts:
 * ``kernels``: ``moda_attention`` forward + backward at T 4K/16K/64K G 4 D 48 and the MoDA
   paper's rows, ours against SDPA and, where fla-core is installed, its ``parallel_attn``,
   each with its roofline floor.
-* ``checks``: a short run with background saves (``train.async_save=true``) resumed from its
-  step-3 checkpoint must match the uninterrupted run bit for bit (losses and final
-  weights; the writer, forked from a process whose CUDA is initialised, must not touch the
-  GPU: it writes without error, and ``nvidia-smi`` does not list it while it writes), and
-  each mixer with kernels gives the same losses over a few steps with ``mixer.impl=triton``
-  as with ``torch``.
+* ``checks``: the GPU-only correctness checks, the tests of ``tests/`` marked ``gpu``
+  (``pytest -m gpu`` in one process, a row each; pytest must be installed): background
+  saves resumed bit for bit with a writer forked from a process whose CUDA is initialised
+  that stays off the GPU (``tests/checkpoint/test_async_save.py``), the compiled Triton
+  kernels' losses against ``mixer.impl=torch`` for every mixer with kernels
+  (``tests/kernels/test_stack.py``), and whatever else carries the marker.
 
 Every training row is built through the trainer's own path (``compose_run`` overrides and
 ``Trainer``, synthetic data), reports the median ms/step, tokens/s, MFU by the trainer's
@@ -116,7 +116,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE_TRITON = ("depth_attn", "ddl")
 """The mixers whose Triton rows the smoke run has (Triton's CPU interpreter is slow); it
 runs every mixer's torch rows."""
-KERNEL_MIXERS_SMOKE = ("depth_attn",)
 FAST_PATHS = {"train.compile": "auto", "train.cuda_graphs": "false",
               "train.fused_cross_entropy": "auto", "train.fused_optimizer": "auto"}
 """The trainer's fast-path switches and the value that needs no override."""
@@ -127,7 +126,7 @@ MODE_SETTINGS = {
 }
 UNFUSED = {"train.fused_cross_entropy": "false", "train.fused_optimizer": "false"}
 ESTIMATE_S = {"eager": 12.0, "compiled": 35.0, "compiled+graphs": 20.0, "peer": 30.0,
-              "kernel": 8.0, "check": 40.0}
+              "kernel": 8.0}
 """A row's expected seconds before one of its kind has run (then: the longest seen)."""
 PROFILE_RULES = (
     ("communication", r"nccl|all_?reduce|reduce_?scatter|all_?gather"),
@@ -246,7 +245,13 @@ class RunFile:
             if row["status"] != "skipped":
                 took = time.monotonic() - began
                 self.seen[estimate_key] = max(self.seen.get(estimate_key, 0.0), took)
+        return self.record(part, row_id, row, began)
+
+    def record(self, part: str, row_id: str, fields: dict, began: float) -> dict:
+        """Add the row ``row_id`` (replacing an earlier one) that began at ``began``."""
+        row = {"part": part, "id": row_id, "reason": None, **fields}
         row["seconds"] = round(time.monotonic() - began, 2)
+        self.doc["rows"] = [r for r in self.doc["rows"] if r["id"] != row_id]
         self.doc["rows"].append(row)
         self.write()
         self.log(f"   {row['status']}" + (f": {row['reason']}" if row.get("reason") else "")
@@ -809,157 +814,96 @@ def run_kernels(rf: RunFile, mx: Matrix, env: dict) -> None:
             rf.row("kernels", f"kernels/{key}/{name}", "kernel", measure)
 
 
-def run_checks(rf: RunFile, mx: Matrix, options: dict) -> None:
-    from depthmix.mixers import get_mixer
-
-    rf.row("checks", "checks/async_resume", "check", lambda: async_resume(mx, options))
-    for mixer in (KERNEL_MIXERS_SMOKE if mx.smoke else mx.mixers):
-        row_id = f"checks/triton_vs_torch/{mixer}"
-        if not get_mixer(mixer).kernels:
-            continue
-        rf.row("checks", row_id, "check",
-               lambda mixer=mixer: triton_vs_torch(mx, mixer, options))
-
-
-def _check_shape(mx: Matrix, layers: int = 4) -> Shape:
-    """The checks' model: the 1.5B widths (the kernels' head dims) at a few layers and a
-    small vocabulary (checkpoints of ~1 GB, not 16)."""
-    if mx.smoke:
-        return Shape("tiny", 4, 32, 2, "fp32", mx.model_options)
-    return Shape("1p5b", layers, 1024, 2, "bf16", ("model.vocab_size=8192",))
-
-
-def _children() -> List[int]:
-    """Processes forked by this one (Linux)."""
-    pids = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            pids += [int(p) for p in open(f"/proc/self/task/{task}/children").read().split()]
-        except OSError:
-            pass
-    return pids
-
-
-def _gpu_pids() -> Optional[List[int]]:
+def run_checks(rf: RunFile) -> None:
+    """The ``gpu``-marked tests of ``tests/`` (``pytest -m gpu``; they skip without CUDA), in
+    one pytest process, a row each: a new GPU-only check is a test with the marker."""
+    began = time.monotonic()
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout
-        return [int(x) for x in out.split() if x.strip().isdigit()]
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def async_resume(mx: Matrix, options: dict) -> dict:
-    """A: 6 steps, background saves every 3 (and the final one); B: from A's step-3
-    checkpoint to step 6 in a fresh trainer; C: 6 steps, no saves. B's losses and final
-    weights must equal A's bit for bit; C shows whether the steps are deterministic at all
-    (if not, a mismatch of B is not the checkpoint's). While A's step-3 write is held
-    in flight (``DEPTHMIX_CKPT_WRITER_DELAY``), its writer must not be a GPU process."""
-    from depthmix.checkpoint.store import list_checkpoints
-    from depthmix.megatron_ext.model import unwrap
-    from depthmix.pretrain.callbacks import Callback, CheckpointCallback
-    from depthmix.pretrain.trainer import Trainer
-    from depthmix.testing import SyntheticData
-
-    shape = _check_shape(mx, layers=2)
-    cuda = torch.cuda.is_available()
-    root = tempfile.mkdtemp(prefix="gpu_bench_ckpt_")
-    probe: dict = {}
-
-    class Losses(Callback):
-        def __init__(self):
-            self.losses = {}
-
-        def post_step(self, trainer, result):
-            self.losses[trainer.step] = float(result.loss).hex()
-
-    class WriterProbe(Callback):
-        def post_step(self, trainer, result):
-            if trainer.step == 3:  # the checkpoint callback (before this one) forked a writer
-                probe["writers"] = _children()
-                probe["gpu_pids"] = _gpu_pids() if cuda else None
-                probe["trainer_pid"] = os.getpid()
-
-    def train(name, extra, callbacks):
-        run, _ = compose(shape, "vanilla", None, MODE_SETTINGS["eager"], options,
-                         ["train.steps=6", "train.eval_interval=0", "train.log_interval=1",
-                          "train.keep_last=0", f"output_dir={os.path.join(root, name)}",
-                          *extra])
-        losses = Losses()
-        trainer = Trainer(run, data=SyntheticData, callbacks=[losses, *callbacks])
-        try:
-            trainer.train()
-        finally:
-            trainer.close()
-        weights = {k: v.detach().to("cpu", copy=True)
-                   for k, v in unwrap(trainer.model[0]).state_dict().items()
-                   if isinstance(v, torch.Tensor)}
-        facts = {"resumed_from": trainer.state.resumed_from}
-        del trainer
-        _release()
-        return losses.losses, weights, facts
-
-    delay = os.environ.get("DEPTHMIX_CKPT_WRITER_DELAY")
-    os.environ["DEPTHMIX_CKPT_WRITER_DELAY"] = "1.0"
-    try:
-        a, wa, _ = train("A", ["train.save_interval=3", "train.async_save=true",
-                               f"train.save_dir={os.path.join(root, 'A_ckpt')}"],
-                         [CheckpointCallback(), WriterProbe()])
-    finally:
-        if delay is None:
-            os.environ.pop("DEPTHMIX_CKPT_WRITER_DELAY", None)
+        ids = gpu_tests()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        rf.record("checks", "checks/pytest -m gpu", {"status": "skipped",
+                                                      "reason": f"{type(e).__name__}: {e}"},
+                  began)
+        return
+    done = {r["id"] for r in rf.doc["rows"] if r["status"] == "ok"}
+    ids = [i for i in ids if rf.wanted(check_id(i)) and check_id(i) not in done]
+    if not ids:
+        return
+    left = rf.deadline - time.monotonic()
+    outcomes = run_tests(ids, timeout=None if left == float("inf") else max(left, 60.0))
+    for nodeid in ids:
+        name = check_id(nodeid)[len("checks/"):]
+        status, seconds, message = outcomes.get(nodeid, ("skipped", 0.0, None))
+        if status in ("passed", "failed"):
+            fields = {"status": "ok", "reason": None, "kind": "check", "check": name,
+                      "passed": status == "passed",
+                      "details": {"test": nodeid, "message": message}}
+        elif nodeid not in outcomes:
+            fields = {"status": "skipped", "reason": "time budget: pytest was stopped first; "
+                      f"run it with --part checks --rows '{re.escape(check_id(nodeid))}'"}
         else:
-            os.environ["DEPTHMIX_CKPT_WRITER_DELAY"] = delay
-    step3 = dict(list_checkpoints(os.path.join(root, "A_ckpt")))[3]
-    b, wb, fb = train("B", [f"train.load_dir={step3}",
-                            f"train.save_dir={os.path.join(root, 'B_ckpt')}"],
-                      [CheckpointCallback()])
-    c, wc, _ = train("C", ["train.save_interval=0"], [])
-    same_losses = [b.get(s) == a.get(s) for s in (4, 5, 6)]
-    same_weights = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    deterministic = a == c and all(torch.equal(wa[k], wc[k]) for k in wa)
-    writers = [p for p in probe.get("writers", []) if p != probe.get("trainer_pid")]
-    gpu = probe.get("gpu_pids")
-    if gpu is None:
-        writer_on_gpu = None  # no GPU, or nvidia-smi cannot tell
-    elif probe.get("trainer_pid") not in gpu and not any(p in gpu for p in writers):
-        writer_on_gpu = None  # nvidia-smi shows other pids (a container): inconclusive
-    else:
-        writer_on_gpu = any(p in gpu for p in writers)
-    import shutil
-
-    shutil.rmtree(root, ignore_errors=True)
-    passed = all(same_losses) and same_weights and not writer_on_gpu and bool(writers)
-    return {"kind": "check", "check": "async_resume", "passed": passed,
-            "details": {"losses_A": a, "losses_B": b, "losses_C": c,
-                        "resumed_steps_equal": same_losses, "final_weights_equal": same_weights,
-                        "uninterrupted_runs_equal": deterministic,
-                        "writer_pids": writers, "gpu_pids_during_write": gpu,
-                        "writer_on_gpu": writer_on_gpu, "resumed_from": fb["resumed_from"],
-                        "shape": shape._asdict()}}
+            fields = {"status": status, "reason": message}
+        rf.record("checks", check_id(nodeid), fields, time.monotonic() - seconds)
 
 
-def triton_vs_torch(mx: Matrix, mixer: str, options: dict) -> dict:
-    """The same steps with ``mixer.impl=torch`` and ``triton``: the losses must agree
-    within the precision's rounding (bf16: 2e-2; fp32: 1e-4)."""
-    from depthmix.pretrain.trainer import Trainer
-    from depthmix.testing import SyntheticData
+def check_id(nodeid: str) -> str:
+    """``checks/<test file stem>::<test>`` of a test's node id."""
+    path, _, test = nodeid.partition("::")
+    return f"checks/{os.path.basename(path)[:-3]}::{test}"
 
-    shape = _check_shape(mx)
-    steps = 2 if mx.smoke else 3
-    losses = {}
-    for impl in ("torch", "triton"):
-        run, _ = compose(shape, mixer, impl, MODE_SETTINGS["eager"], options)
-        trainer = Trainer(run, data=SyntheticData(run), callbacks=[])
-        losses[impl] = [trainer.train_one_step().loss for _ in range(steps)]
-        del trainer
-        _release()
-    diff = max(abs(a - b) for a, b in zip(losses["torch"], losses["triton"]))
-    tolerance = 1e-4 if shape.precision == "fp32" else 2e-2
-    return {"kind": "check", "check": f"triton_vs_torch/{mixer}",
-            "passed": bool(diff <= tolerance),
-            "details": {"losses": losses, "max_abs_diff": diff, "tolerance": tolerance,
-                        "shape": shape._asdict()}}
+
+PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-q",
+          "--continue-on-collection-errors"]
+"""pytest in one process (no xdist workers, whatever the project's options say); a test
+module this machine cannot import costs its own tests only."""
+
+
+def gpu_tests() -> List[str]:
+    """Node ids of the tests marked ``gpu``."""
+    proc = subprocess.run([*PYTEST, "--collect-only", "-m", "gpu", "tests"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    if not ids:
+        raise RuntimeError(f"pytest --collect-only -m gpu: exit {proc.returncode}: "
+                           + (proc.stdout + proc.stderr)[-500:])
+    return ids
+
+
+def run_tests(ids: List[str], timeout: Optional[float]) -> Dict[str, tuple]:
+    """Run ``ids`` in one pytest process: node id -> (passed | failed | skipped | error,
+    seconds, message). At ``timeout`` pytest is interrupted (SIGINT) and reports what it
+    finished."""
+    import signal
+    import xml.etree.ElementTree as ET
+
+    report = os.path.join(tempfile.mkdtemp(prefix="gpu_tests_"), "junit.xml")
+    proc = subprocess.Popen([*PYTEST, "-m", "gpu", f"--junitxml={report}", *ids], cwd=REPO)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if not os.path.exists(report):
+        return {}
+    by_name = {(os.path.basename(i.partition("::")[0])[:-3], i.partition("::")[2]): i
+               for i in ids}
+    out = {}
+    for case in ET.parse(report).iter("testcase"):
+        nodeid = by_name.get((case.get("classname", "").rpartition(".")[2], case.get("name")))
+        if nodeid is None:
+            continue
+        status, message = "passed", None
+        for tag, outcome in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            found = case.find(tag)
+            if found is not None:
+                status, message = outcome, (found.get("message") or found.text or "")[:500]
+                break
+        out[nodeid] = (status, float(case.get("time") or 0.0), message)
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -994,7 +938,7 @@ def main(argv=None) -> int:
             elif part == "kernels":
                 run_kernels(rf, mx, env)
             else:
-                run_checks(rf, mx, options)
+                run_checks(rf)
             rf.end_part(part)
         except Exception as e:  # noqa: BLE001 -- a part that breaks leaves the others
             with open(rf.log_path, "a") as f:

@@ -374,8 +374,7 @@ def first_variants(ops: Sequence[str] = ()) -> Callable[[Launch, int], bool]:
     """For :func:`compile_report`'s ``only``: every kernel in every config, each at its
     first benchmark variant (the launch lists put the heaviest first where it matters).
     Each other variant shares its tiles with a compiled one and differs in a group size,
-    mixed state or head count (the default of
-    ``tests/bench/test_gpu_report.py``)."""
+    mixed state or head count (``tools/kernel_report.py --first-variants``)."""
     firsts: Dict[tuple, tuple] = {}
     for launch in launches(ops):
         firsts.setdefault((launch.name, launch.config), launch.key())

@@ -4,20 +4,20 @@ bundled ptxas, ``depthmix/bench/gpu_report.py``). The interpreter the other kern
 tests use checks none of this, nor what only the compiler checks (constexpr control flow,
 tuple-of-pointer arguments, casts).
 
-The compiles run in one subprocess without ``TRITON_INTERPRET`` (conftest sets it on CPU,
-and under it ``triton.jit`` builds interpreted functions), one at a time (the other core
-has the other xdist worker): every kernel in every config (autotune list after its prune,
-or the launcher's tile choice) at its first benchmark variant on both architectures (about
-130 compiles, 3-4 minutes of one core on a cold cache). ``DEPTHMIX_KERNEL_REPORT_QUICK=0``
-compiles every variant (about 300 compiles, ~10 minutes cold; a later variant can need more
-registers than the first: up to 16 more in the depth_mix and moda kernels), as
-``tools/kernel_report.py`` does: run it after changing a kernel. They go through the
-report cache (``gpu_report.cached_compiles``): a later run compiles only the kernels whose
-Triton cache key changed (their source or a function they call, a config, Triton, ptxas)
-and reads the others' ptxas figures; ``DEPTHMIX_KERNEL_REPORT_FRESH=1`` compiles
-everything. What the cache returns is checked against fresh compiles each run: the attnres
-kernels once more, fresh, through the tool's pool of two forked compilers (about a second),
-and a spilling config compiled fresh.
+The full lane (``-m full``; the architectures' limits are checked by default): the
+compiles run in one subprocess without ``TRITON_INTERPRET`` (conftest sets it on CPU, and
+under it ``triton.jit`` builds interpreted functions), one at a time (the other core has
+the other xdist worker): every kernel in every config (autotune list after its prune, or
+the launcher's tile choice) at every benchmark variant on both architectures, as
+``tools/kernel_report.py`` does (about 300 compiles, ~10 minutes of one core on an empty
+cache; a later variant can need more registers than the first: up to 16 more in the
+depth_mix and moda kernels). They go through the report cache
+(``gpu_report.cached_compiles``, ``~/.cache/depthmix/kernel-report``): a later run compiles
+only the kernels whose Triton cache key changed (their source or a function they call, a
+config, Triton, ptxas) and reads the others' ptxas figures;
+``DEPTHMIX_KERNEL_REPORT_FRESH=1`` compiles everything. What the cache returns is checked
+against fresh compiles each run: the attnres kernels once more, fresh, through the tool's
+pool of two forked compilers (a few seconds), and a spilling config compiled fresh.
 """
 
 from __future__ import annotations
@@ -35,17 +35,21 @@ pytest.importorskip("triton", reason="the triton package is not installed (non-x
 
 from depthmix.bench.gpu_report import ARCHS, Usage, check_limits
 
-# one child: the subprocess that compiles, one kernel at a time (its pool check forks two
-# compilers for about a second)
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1),
-              pytest.mark.xdist_group("test_gpu_compile")]  # one worker compiles the report
+
+def compiled(test):
+    """A test of the compiled report: the full lane, one worker, one child (the subprocess
+    that compiles, one kernel at a time; its pool check forks two compilers for a moment)."""
+    for mark in (pytest.mark.full, pytest.mark.multiproc(at_once=1),
+                 pytest.mark.xdist_group("test_gpu_compile")):
+        test = mark(test)
+    return test
+
 
 _SCRIPT = """
 import dataclasses, glob, json, os
 from depthmix.bench import gpu_report as R
 
-quick = os.environ.get("DEPTHMIX_KERNEL_REPORT_QUICK", "1") != "0"
-only = R.first_variants() if quick else None
+only = None  # every variant
 rows = R.compile_report(jobs=1, only=only)
 # a config the backward's prune drops: 64 elements of a tile per thread
 spilling = next(l for l in R.launches(["depth_mix"]) if l.name == "depth_mix_bwd_kernel")
@@ -94,12 +98,14 @@ def report():
     return out
 
 
+@compiled
 def test_no_kernel_spills_or_exceeds_shared_memory(report):
     problems = [f"{r.kernel} [{r.variant}; {r.config}] {r.arch}: {p}"
                 for r in report["rows"] for p in r.problems()]
     assert not problems, "\n".join(problems)
 
 
+@compiled
 def test_every_kernel_and_config_compiled_for_both_architectures(report):
     compiled = {(r.kernel, r.config, r.arch) for r in report["rows"]}
     missing = [(kernel, config, arch.name) for kernel, config in report["configs"]
@@ -107,6 +113,7 @@ def test_every_kernel_and_config_compiled_for_both_architectures(report):
     assert not missing
 
 
+@compiled
 def test_every_launched_kernel_is_in_the_report(report):
     """What the launchers launch (``name[grid](...)`` in each ``triton.py``), so that a new
     kernel cannot slip past the report."""
@@ -116,6 +123,7 @@ def test_every_launched_kernel_is_in_the_report(report):
     assert launched == {r.kernel for r in report["rows"]}
 
 
+@compiled
 def test_a_spilling_config_is_caught(report):
     """The depth_mix backward at 64 elements per thread (pruned from the autotune list)
     spills, and the check says so."""
@@ -129,6 +137,7 @@ def _figures(rows):
                    r.stack, r.shared) for r in rows)
 
 
+@compiled
 def test_a_pool_of_fresh_compilers_reports_what_the_report_says(report):
     """Two forked processes compiling afresh give the figures of the report's rows, which
     came from the report cache when an earlier run had compiled the same kernels."""
@@ -138,6 +147,7 @@ def test_a_pool_of_fresh_compilers_reports_what_the_report_says(report):
     assert _figures(report["pool"]) == _figures(alone)
 
 
+@compiled
 def test_a_second_report_reads_the_cache(report):
     alone = [r for r in report["rows"] if r.op == "attnres" and r.arch == "sm_80"]
     again = report["again"]

@@ -22,7 +22,7 @@ from depthmix.checkpoint.store import latest_checkpoint, list_checkpoints, read_
 
 from run_harness import make_run, spawn, train
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = pytest.mark.multiproc
 
 LAYOUTS_2 = {  # bit-exact resume at 2 ranks
     "tp2_sp": {"tp": 2, "sequence_parallel": True},

@@ -1,7 +1,7 @@
-"""Save safety and signals, in one process where possible: a full disk (a real tmpfs when
-this test may mount one, and a writer that hits ENOSPC), the save_dir lock against a second
-real process, kill -9 and a double Ctrl-C leaving no helper process behind, SIGTERM during
-evaluation and Ctrl-C saving."""
+"""Save safety, in one process where possible: a full disk (a real tmpfs when this test may
+mount one, and a writer that hits ENOSPC), the save_dir lock against a second real process,
+kill -9 and a double Ctrl-C leaving no helper process behind. (A signal's save:
+``tests/pretrain/test_signals.py``.)"""
 
 import errno
 import os
@@ -15,8 +15,7 @@ import pytest
 from depthmix.checkpoint import guard, store
 from depthmix.checkpoint.guard import SaveError, SaveLock
 from depthmix.config.schema import ConfigError
-from depthmix.pretrain.callbacks import CheckpointCallback, PreemptionCallback
-from depthmix.pretrain.callbacks.base import Callback
+from depthmix.pretrain.callbacks import CheckpointCallback
 from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
 
@@ -283,56 +282,3 @@ def test_second_ctrl_c_aborts_at_once(tmp_path):
         for p in tree:
             if p.is_running():
                 p.kill()
-
-
-class SignalOnFirstEvalBatch(SyntheticData):
-    """Validation data that sends a real SIGTERM to this process when the first evaluation
-    starts, and counts the micro-batches drawn from then on."""
-
-    drawn = 0
-
-    def valid_iterator(self):
-        for i, batch in enumerate(super().valid_iterator()):
-            if i == 0 and SignalOnFirstEvalBatch.drawn == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
-            SignalOnFirstEvalBatch.drawn += 1
-            yield batch
-
-
-def test_sigterm_during_eval_saves_within_one_eval_batch(megatron_single, tmp_path):
-    root = str(tmp_path / "ckpt")
-    steps = []
-    before = signal.getsignal(signal.SIGTERM)
-
-    class Steps(Callback):
-        def post_step(self, trainer, result):
-            steps.append(trainer.step)
-
-    t = _trainer(root, callbacks=[Steps(), CheckpointCallback(), PreemptionCallback()],
-                 steps=20, eval_interval=2, eval_iters=50, data=SignalOnFirstEvalBatch)
-    t.train()
-    t.close()
-    assert steps == [1, 2] and t.stop_reason == "preempted (SIGTERM)"
-    assert SignalOnFirstEvalBatch.drawn == t.num_microbatches  # one eval batch of 50
-    assert store.latest_checkpoint(root) == store.step_dir(root, 2)
-    assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
-
-
-def test_ctrl_c_saves_and_stops(megatron_single, tmp_path):
-    root = str(tmp_path / "ckpt")
-    # Python's default_int_handler, or SIG_IGN where the process started ignoring Ctrl-C
-    # (seen in a pytest-xdist worker under `coverage run`)
-    before = signal.getsignal(signal.SIGINT)
-
-    class CtrlC(Callback):
-        def post_step(self, trainer, result):
-            if trainer.step == 2:
-                os.kill(os.getpid(), signal.SIGINT)
-
-    t = _trainer(root, callbacks=[CtrlC(), CheckpointCallback(), PreemptionCallback()],
-                 steps=20)
-    t.train()
-    t.close()
-    assert t.step == 2 and t.stop_reason == "preempted (SIGINT)"
-    assert store.latest_checkpoint(root) == store.step_dir(root, 2)
-    assert signal.getsignal(signal.SIGINT) is before  # handlers restored

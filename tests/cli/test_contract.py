@@ -133,7 +133,6 @@ def _quiet_run(args, cwd):
     return proc.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.multiproc(at_once=1)
 @pytest.mark.xdist_group("test_contract:checkpoint")
 def test_normal_runs_print_no_library_lines_and_eval_writes_beside_its_results(checkpoint,

@@ -1,5 +1,7 @@
 """A sweep in W&B and side by side: one 3-point multirun (Depth-Attention strides 1, 2, 4;
-tiny, 3 steps, W&B offline) shared by every test here. Its points share one W&B group,
+tiny, 3 steps, W&B offline; Hydra's basic launcher) shared by every test here. Each point
+runs in its own ``<job number>_<overrides>`` directory with its own config, checkpoints and
+W&B run. Its points share one W&B group,
 have job type ``train``, model/mixer tags and names that differ only in the stride; an
 evaluation of one point's checkpoint joins the group as job type ``eval``; the sweep
 directory holds ``summary.csv``/``summary.md`` with each job's own losses (read back from
@@ -14,6 +16,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from depthmix.cli.sweep import format_cell
 from cli_runs import base_env
@@ -22,7 +25,7 @@ from tools_modules import markdown_rows
 from wandb_files import read_run, run_dirs
 
 # one shared sweep: its tests stay on one xdist worker
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1),
+pytestmark = [pytest.mark.multiproc(at_once=1),
               pytest.mark.xdist_group("test_sweep")]
 
 STRIDES = (1, 2, 4)
@@ -75,6 +78,23 @@ def test_points_share_a_group_and_differ_only_in_the_stride(sweep):
     for job in sweep.jobs:
         with open(os.path.join(job, "checkpoints", "wandb_group.txt")) as f:
             assert f.read() == f"local/{sweep.key}"
+
+
+def test_each_point_has_its_own_directory_config_checkpoints_and_wandb_run(sweep):
+    assert [os.path.basename(j).split("_", 1)[0] for j in sweep.jobs] == ["0", "1", "2"]
+    ids = []
+    for job, stride in zip(sweep.jobs, STRIDES):
+        assert re.search(rf"mixer\.stride={stride}(,|$)", os.path.basename(job)), job
+        with open(os.path.join(job, ".hydra", "config.yaml")) as f:
+            assert yaml.safe_load(f)["mixer"]["stride"] == stride
+        assert os.path.isdir(os.path.join(job, "checkpoints", "iter_0000003"))
+        (run_dir,) = run_dirs(job)
+        run = read_run(run_dir)
+        assert run["config"]["mixer"]["stride"] == stride
+        assert run["config"]["output_dir"] == job
+        assert [r["_step"] for r in run["history"] if "train/loss" in r] == [1, 2, 3]
+        ids.append(run["id"])
+    assert len(set(ids)) == len(STRIDES)
 
 
 EVAL_LOG = """

@@ -86,6 +86,8 @@ BAD_VALUES = [  # refused by the preflight the dry run and the trainer share
 ]
 BAD_OPTIONS = [*((*case, "dry_run") for case in HYDRA_LEVEL),
                *((*case, path) for case in BAD_VALUES for path in ("dry_run", "trainer"))]
+# by default each bad value through one of the two paths, in turn; the other in the full lane
+DEFAULT_PATH = {tuple(case[0]): ("dry_run", "trainer")[i % 2] for i, case in enumerate(BAD_VALUES)}
 
 
 @pytest.fixture
@@ -114,8 +116,10 @@ def run_main(monkeypatch, args) -> int:
         return e.code
 
 
-@pytest.mark.parametrize("overrides, option, suggestion, path", BAD_OPTIONS,
-                         ids=[f"{' '.join(c[0])}-{c[3]}" for c in BAD_OPTIONS])
+@pytest.mark.parametrize("overrides, option, suggestion, path", [
+    pytest.param(*case, id=f"{' '.join(case[0])}-{case[3]}",
+                 marks=() if DEFAULT_PATH.get(tuple(case[0]), "dry_run") == case[3]
+                 else pytest.mark.full) for case in BAD_OPTIONS])
 def test_bad_option_exits_2_naming_it(no_model, monkeypatch, capsys, overrides, option,
                                       suggestion, path):
     extra = ["train.dry_run=true"] if path == "dry_run" else []

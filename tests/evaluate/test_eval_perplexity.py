@@ -118,7 +118,6 @@ def _direct_losses(ckpt: str, prefixes: dict, seq_length: int) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
 def test_same_loss_at_every_layout(trained, single):
     ref = single["results"]
     assert ref["layout"] == {"world_size": 1, "tp": 1, "pp": 1, "vp": 1, "dp": 1}
@@ -133,7 +132,6 @@ def test_same_loss_at_every_layout(trained, single):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
 def test_perplexity_equals_a_direct_computation(trained, single):
     res = single["results"]
     assert res["step"] == 2 and res["mixer"] == "depth_attn"
@@ -153,7 +151,6 @@ def test_perplexity_equals_a_direct_computation(trained, single):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
 def test_console_table_and_wandb(single):
     from wandb_files import read_run, run_dirs
 
@@ -181,7 +178,6 @@ def _refused(trained, *overrides, datasets=("a",)) -> str:
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
 @pytest.mark.parametrize("overrides, option", [
     (["mixer=vanilla"], "mixer.name: checkpoint 'depth_attn'"),
     (["mixer=depth_attn", "mixer.stride=1"], "mixer.stride: checkpoint 2"),
@@ -194,7 +190,6 @@ def test_mismatched_options_are_refused(trained, overrides, option):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
 def test_bad_datasets_and_layouts_are_refused(trained):
     assert "eval.datasets.small" in _refused(trained, datasets=("small",))
     assert "fewer than one window" in _refused(trained, datasets=("small",))

@@ -1,4 +1,4 @@
-"""Golden losses: ``model=tiny`` trained 10 steps per mixer at TP1 and PP2.
+"""Golden losses: ``model=tiny`` trained 10 steps per mixer at TP1 (and PP2: the full lane).
 
 The reference values (``tests/assets/losses/tiny.json``, float hex strings) are stored with
 the signature of the machine that recorded them (CPU model and flags, the ATen kernels'
@@ -15,7 +15,8 @@ instruction set, torch's BLAS and oneDNN builds). Code that only moves must repr
   :data:`RTOL`; :func:`test_the_tolerance_catches_a_real_change` shows it failing.
 
 A change that alters the numerics on purpose re-records them with
-``DEPTHMIX_RECORD_GOLDEN=1 python -m pytest tests/golden`` and says why in its commit.
+``DEPTHMIX_RECORD_GOLDEN=1 python -m pytest -m "full or not full" tests/golden`` (both
+layouts) and says why in its commit.
 """
 
 import json
@@ -32,7 +33,9 @@ import pytest
 from depthmix.config.load import compose_run
 from depthmix.testing import run_layouts
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+from layouts import full_except
+
+pytestmark = pytest.mark.multiproc
 
 ASSET = Path(__file__).parent.parent / "assets" / "losses" / "tiny.json"
 STEPS = 10
@@ -126,15 +129,16 @@ def golden() -> dict:
     return stored
 
 
-def test_golden_losses():
-    measured = {layout: train(layout) for layout in LAYOUTS}
+@pytest.mark.parametrize("layout", full_except(LAYOUTS, {"tp1"}))
+def test_golden_losses(layout):
+    measured = train(layout)
     if os.environ.get("DEPTHMIX_RECORD_GOLDEN") == "1":
+        stored = json.loads(ASSET.read_text()) if ASSET.exists() else {"losses": {}}
+        stored["machine"] = machine()
+        stored["losses"][layout] = {c: [x.hex() for x in v] for c, v in measured.items()}
+        stored["losses"] = {k: stored["losses"][k] for k in LAYOUTS if k in stored["losses"]}
         ASSET.parent.mkdir(parents=True, exist_ok=True)
-        ASSET.write_text(json.dumps({
-            "machine": machine(),
-            "losses": {layout: {c: [x.hex() for x in v] for c, v in cases.items()}
-                       for layout, cases in measured.items()},
-        }, indent=1) + "\n")
+        ASSET.write_text(json.dumps(stored, indent=1) + "\n")
     stored = golden()
     assert set(stored["losses"]) == set(LAYOUTS), "re-record: the layouts changed"
     here = machine()
@@ -142,10 +146,9 @@ def test_golden_losses():
     how = ("bit for bit: the machine that recorded them" if exact else
            f"within {FIRST_STEP_RTOL:g} (step 1) / {RTOL:g}: recorded on "
            f"{stored['machine']}, run on {here}")
-    for layout in LAYOUTS:
-        assert set(stored["losses"][layout]) == set(CASES), f"{layout}: re-record, cases changed"
-        bad = mismatches(measured[layout], stored["losses"][layout], exact)
-        assert not bad, f"{layout}, compared {how}:\n" + "\n".join(bad)
+    assert set(stored["losses"][layout]) == set(CASES), f"{layout}: re-record, cases changed"
+    bad = mismatches(measured, stored["losses"][layout], exact)
+    assert not bad, f"{layout}, compared {how}:\n" + "\n".join(bad)
 
 
 def test_the_tolerance_catches_a_real_change():
@@ -158,8 +161,8 @@ def test_the_tolerance_catches_a_real_change():
 
 
 _OTHER_KERNELS = textwrap.dedent("""
-    import json, sys
-    sys.path.insert(0, sys.argv[1])
+    import json, os, sys
+    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]  # tests/golden, tests
     import test_golden_losses as golden
     print(json.dumps({"machine": golden.machine(),
                       "losses": golden.train("tp1", sys.argv[2].split(","))}))

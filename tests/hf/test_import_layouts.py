@@ -22,7 +22,7 @@ import torch
 from depthmix.testing import SyntheticData, assert_same_training, spawn, tiny_run
 from hf_models import KINDS, SEQ, VOCAB, checkpoints, hf_window_loss
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = pytest.mark.multiproc
 
 LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2_pp2": {"tp": 2, "pp": 2}}  # DP fills 4
 BATCH = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))

@@ -9,7 +9,7 @@ import torch
 
 from cli_processes import run
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1)]
+pytestmark = pytest.mark.multiproc(at_once=1)
 
 PROMPTS = ["Once upon a time", "The", "A little bird sat on the old"]
 

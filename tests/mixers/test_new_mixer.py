@@ -1,9 +1,10 @@
 """Adding a mixer takes one folder (plus, in the tree, its YAML and doc page): a toy mixer
 package written to a tmp dir and put on the registry's search path is picked up by
 ``depthmix-train --help``, the Hydra config, every shared test matrix, the roofline's step
-floor and ``tools/gpu_bench.py``'s matrix without another edit; the overheads test asks for
-the one thing it cannot know (a closed form); a folder that lacks a required hook is
-refused with a message naming it."""
+floor and ``tools/gpu_bench.py``'s matrix without another edit (the matrices' own cases: a
+nested pytest run, the full lane; that every matrix takes every registered mixer:
+``tests/test_grids.py``); the overheads test asks for the one thing it cannot know (a closed
+form); a folder that lacks a required hook is refused with a message naming it."""
 
 import json
 import os
@@ -200,7 +201,7 @@ ASKS_FOR = {"test_closed_forms[toy-500m]": "mixer 'toy' has no closed form in CL
             "test_closed_forms[toy-3b]": "mixer 'toy' has no closed form in CLOSED"}
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.multiproc
 def test_every_matrix_runs_the_toy(toy, toy_path, tmp_path):
     """One pytest run of the matrix files with the toy on the search path: its cases are

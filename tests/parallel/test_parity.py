@@ -2,7 +2,9 @@
 
 Each layout trains all registered mixers for 3 steps in real processes (real Megatron
 parallel state, real P2P; one group of processes per world size) from the same seed,
-which gives the same initial weights at every layout. Compared with one rank: the 3 losses
+which gives the same initial weights at every layout: TP2 x PP2 with sequence parallelism
+by default (tensor, sequence and pipeline parallelism at once), the other layouts in the
+full lane. Compared with one rank: the 3 losses
 (relative 1e-5) and the gradients after step 1, relative to the gradient norm: the whole
 gradient and every parameter's error within 1e-5 of the global norm. (Not each tensor
 relative to its own norm: a tensor whose gradient is a near-cancelling sum, e.g. DDL's
@@ -16,7 +18,9 @@ import torch
 
 from depthmix.testing import assert_same_training, run_layouts, variant_cases, variant_run
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+from layouts import full_except
+
+pytestmark = pytest.mark.multiproc
 
 # case id -> (mixer, Variant): each mixer's ``parity`` variants, options that make it send
 # more than the bare minimum across stages (and ShortSWA, an option of every mixer).
@@ -32,6 +36,8 @@ LAYOUTS = {
     "recompute": (1, {"recompute": "full"}),
 }
 MIXERS = list(CASES)
+DEFAULT = {"tp2_pp2"}
+"""The default lane's layout."""
 
 
 def make_run(case: str, **parallel):
@@ -79,7 +85,7 @@ def assert_matches(result, ref, label):
             f"{label}: initial {name} differs across layouts"
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", full_except(LAYOUTS, DEFAULT))
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_layout_matches_single_rank(mixer, layout, layout_results):
     """Losses and gradients of ``mixer`` at ``layout`` equal the single-rank run."""
@@ -87,7 +93,7 @@ def test_layout_matches_single_rank(mixer, layout, layout_results):
                    f"{mixer}@{layout}")
 
 
-@pytest.mark.parametrize("layout", ["pp2", "pp2_vp2", "tp2_pp2"])
+@pytest.mark.parametrize("layout", full_except(["pp2", "pp2_vp2", "tp2_pp2"], DEFAULT))
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_bytes_sent_follow_the_plan(mixer, layout, layout_results):
     """Payload bytes each chunk packed = the transport's per-transition formula."""
@@ -109,6 +115,7 @@ def test_bytes_sent_follow_the_plan(mixer, layout, layout_results):
         assert measured[chunk] == expected, f"chunk {chunk}: {measured[chunk]} != {expected}"
 
 
+@pytest.mark.full
 def test_vanilla_bytes_closed_form(layout_results):
     """Vanilla sends exactly the hidden state: s * b * h * 4 bytes per micro-batch."""
     run = make_run("vanilla", pp=2)

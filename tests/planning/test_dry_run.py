@@ -82,7 +82,6 @@ def test_parallel_world_size_must_match_the_launch():
 
 
 @pytest.mark.multiproc(at_once=1)
-@pytest.mark.slow
 def test_cli_exit_codes(tmp_path):
     env = base_env(str(tmp_path), str(tmp_path / "cache"))
     args = ["model=3b", "parallel=tp2_pp4", "train=paper", "train.dry_run=true"]

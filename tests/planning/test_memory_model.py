@@ -2,13 +2,11 @@
 rank: bytes saved for backward per micro-batch within 10%, parameter, gradient and
 optimizer-state bytes exact.
 
-One launch of two gloo ranks runs every mixer at DP2 + distributed optimizer and, in
-rotation, at TP2 + sequence parallelism, PP2, PP2 x VP2 and PP2 with full recomputation
-(every layout sees at least one depth-state mixer). DEPTHMIX_MEMORY_MATRIX=1 runs every
-mixer at every layout (about 4x longer).
+One launch of two gloo ranks measures every case the session runs: by default each mixer
+at one layout, in rotation over DP2 + distributed optimizer, TP2 + sequence parallelism,
+PP2, PP2 x VP2 and PP2 with full recomputation (every layout sees at least one depth-state
+mixer); the full lane runs every other mixer at every layout (about 4x longer).
 """
-
-import os
 
 import pytest
 
@@ -16,9 +14,10 @@ from depthmix.mixers import available, mixer_of
 from depthmix.planning import memory
 from depthmix.testing import spawn, tiny_run
 
+from layouts import full_except
 from memory_probe import probe_runs
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = pytest.mark.multiproc
 
 MIXERS = available()  # each at its defaults
 LAYOUTS = {
@@ -28,15 +27,12 @@ LAYOUTS = {
     "pp2_vp2": {"pp": 2, "vp": 2},
     "pp2_recompute": {"pp": 2, "recompute": "full"},
 }
-ROTATION = ["tp2_sp", "pp2", "pp2_vp2", "pp2_recompute"]
+ROTATION = {m: list(LAYOUTS)[i % len(LAYOUTS)] for i, m in enumerate(MIXERS)}
+"""The default lane's case of each mixer."""
 
 
 def _cases():
-    if os.environ.get("DEPTHMIX_MEMORY_MATRIX") == "1":
-        return [(m, lay) for lay in LAYOUTS for m in MIXERS]
-    cases = [(m, "dp2_distopt") for m in MIXERS]
-    cases += [(m, ROTATION[i % len(ROTATION)]) for i, m in enumerate(MIXERS)]
-    return sorted(cases, key=lambda c: list(LAYOUTS).index(c[1]))  # one layout at a time
+    return [(m, lay) for lay in LAYOUTS for m in MIXERS]  # one layout at a time
 
 
 def _run(mixer, layout):
@@ -57,7 +53,8 @@ def measured(request):
     return dict(zip(cases, spawn(probe_runs, 2, (runs,), timeout=900)[0]))
 
 
-@pytest.mark.parametrize("case", _cases(), ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("case", full_except(_cases(), ROTATION.items(),
+                                             ids=lambda c: f"{c[0]}-{c[1]}"))
 def test_memory_model_matches_measurement(measured, case):
     run = _run(*case)
     model = memory.estimate(run, mixer_of(run), world_size=2)

@@ -4,18 +4,15 @@
   after the first step (a uniform stack compiles one body; a stack whose depth state grows
   with depth at most one per layer), beside an eager copy of the model.
 * Parity with eager through the trainer (3 steps, losses within 1e-5 relative, step-1
-  gradients within 1e-5 of the norm) for every mixer at TP1. By default full recomputation
-  (the checkpoint wraps the compiled layer: the same for every body) runs for Full AttnRes,
-  TP2+SP for a state-carrying and a growing mixer (mHC, Full AttnRes), and PP2 x VP2 (which
-  sends the depth state between stages, as PP2 does) and DP2 + distributed optimizer for
-  Full AttnRes; ``DEPTHMIX_COMPILE_GRID=all`` runs recomputation, TP2+SP and PP2 for every
-  mixer (about 6 minutes on 2 CPU cores with a warm inductor cache).
+  gradients within 1e-5 of the norm) for every mixer at TP1. The full lane: every mixer
+  with full recomputation (the checkpoint wraps the compiled layer), at TP2+SP and at PP2,
+  and Full AttnRes (its depth state grows with depth) at PP2 x VP2 and at DP2 with the
+  distributed optimizer (about 6 minutes on 2 CPU cores with a warm inductor cache).
 * ``mixer.impl=triton`` (the interpreter): the kernels, custom ops, stay inside each
-  layer's graph (no graph break) and the losses are eager's, for the four kernel mixers.
+  layer's graph (no graph break) and the losses are eager's, for the four kernel mixers
+  (Full AttnRes by default, the others in the full lane).
 * Refusals at start-up naming ``train.compile``.
 """
-
-import os
 
 import pytest
 import torch
@@ -24,18 +21,13 @@ from depthmix.config.schema import ConfigError
 from depthmix.mixers import available
 from depthmix.testing import assert_same_training, run_layouts, tiny_run
 
+from layouts import full_except
+
 # inductor runs the C++ compiler (one child process) when its cache misses
 pytestmark = pytest.mark.multiproc(at_once=1)
 
 MIXERS = ["vanilla", *sorted(set(available()) - {"vanilla"})]
 OPTIONS = {"attnres_block": {"block_size": 4}}  # two blocks of 4 layers, one of 2
-FULL_GRID = os.environ.get("DEPTHMIX_COMPILE_GRID") == "all"
-RECOMPUTE_MIXERS = MIXERS if FULL_GRID else ["attnres_full"]
-TP_MIXERS = MIXERS if FULL_GRID else ["mhc", "attnres_full"]
-PP_MIXERS = MIXERS if FULL_GRID else []  # PP2 x VP2 below covers the stage transport
-# compiled through the trainer by the two-rank layouts (mHC, Full AttnRes at TP2+SP) and by
-# Full AttnRes' recomputation run: not again at TP1 unless the whole grid runs
-TRAINED_ELSEWHERE = set() if FULL_GRID else {("mhc", "none"), ("attnres_full", "none")}
 
 
 def _two_layers(run):
@@ -94,7 +86,8 @@ def _beside_eager(run, steps: int = 3):
     return compiled, losses, grad_error, graphs, dict(counters["graph_break"])
 
 
-@pytest.mark.parametrize("mixer", ["vanilla", "mhc", "attnres_full"])
+@pytest.mark.parametrize("mixer", full_except(["vanilla", "mhc", "attnres_full"],
+                                              {"vanilla", "attnres_full"}))
 def test_one_body_per_distinct_layer_and_no_graph_break(megatron_single, mixer):
     model, (eager, compiled), grad_error, graphs, breaks = _beside_eager(
         tiny_run(mixer, **OPTIONS.get(mixer, {})))
@@ -108,8 +101,8 @@ def test_one_body_per_distinct_layer_and_no_graph_break(megatron_single, mixer):
     assert compiled == pytest.approx(eager, rel=1e-5) and grad_error < 1e-5
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mixer", ["depth_attn", "moda", "attnres_full", "mhc"])
+@pytest.mark.parametrize("mixer", full_except(["depth_attn", "moda", "attnres_full", "mhc"],
+                                              {"attnres_full"}))
 def test_triton_kernels_inside_compiled_layers(megatron_single, mixer):
     """``mixer.impl=triton`` (the interpreter) under compilation: each kernel is a custom op
     inside its layer's graph, so no layer breaks its graph, nothing recompiles after the
@@ -139,18 +132,15 @@ def _assert_parity(results, mixers, label):
         assert_same_training(compiled, eager, f"{mixer} {label}", loss_rtol=1e-5, grad_rtol=1e-5)
 
 
-@pytest.mark.slow
-def test_parity_every_mixer_tp1_and_recompute():
-    runs, labels = [], []
-    for mixer in MIXERS:
-        for recompute in ("none", "full") if mixer in RECOMPUTE_MIXERS else ("none",):
-            if (mixer, recompute) in TRAINED_ELSEWHERE:
-                continue
-            labels.append(f"{mixer}/{recompute}")
-            runs += [_run(mixer, c, recompute=recompute) for c in ("false", "true")]
+@pytest.mark.parametrize("recompute", full_except(["none", "full"], {"none"}))
+def test_parity_every_mixer_at_tp1(recompute):
+    """Every mixer, eager and compiled, in one process (one rank); ``full``: with full
+    activation recomputation."""
+    runs = [_run(mixer, c, recompute=recompute) for mixer in MIXERS for c in ("false", "true")]
     results = run_layouts(runs, world_size=1, timeout=1500)
-    for i, label in enumerate(labels):
-        assert_same_training(results[2 * i + 1], results[2 * i], label, 1e-5, 1e-5)
+    for i, mixer in enumerate(MIXERS):
+        assert_same_training(results[2 * i + 1], results[2 * i], f"{mixer}/{recompute}",
+                             1e-5, 1e-5)
 
 
 def _interleaved(mixer, compile_):
@@ -162,8 +152,8 @@ def _interleaved(mixer, compile_):
 
 # two-rank layouts: label -> (mixers, run(mixer, compile)); one process group runs them all
 TWO_RANKS = {
-    "tp2-sp": (TP_MIXERS, lambda m, c: _run(m, c, tp=2, sequence_parallel=True)),
-    "pp2": (PP_MIXERS, lambda m, c: _run(m, c, pp=2)),
+    "tp2-sp": (MIXERS, lambda m, c: _run(m, c, tp=2, sequence_parallel=True)),
+    "pp2": (MIXERS, lambda m, c: _run(m, c, pp=2)),
     "pp2-vp2": (["attnres_full"], _interleaved),
     "dp2-distopt": (["attnres_full"], lambda m, c: _run(m, c, distributed_optimizer=True)),
 }
@@ -183,9 +173,9 @@ GROUP_TIMEOUT = pytest.mark.timeout(1500)  # the first test's setup trains the w
 
 
 @GROUP_TIMEOUT
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [name for name in ("tp2-sp", "pp2") if TWO_RANKS[name][0]])
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
 def test_parity_parallel_layouts(layout, two_ranks):
     _assert_parity(two_ranks[layout], TWO_RANKS[layout][0], layout)
 
@@ -226,7 +216,7 @@ def test_command_line_values(tmp_path):
 
 
 @GROUP_TIMEOUT
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.multiproc
 def test_parity_interleaved_pipeline_and_distributed_optimizer(two_ranks):
     """The two layouts left: PP2 x VP2 (1F1B interleaved; four layers, one per chunk) and

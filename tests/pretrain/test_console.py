@@ -1,6 +1,7 @@
 """What a run prints and where it lands, in process: the start-up warning summary, the
-console/train.log stream, the closing summary's resume command, ``run.name`` directories
-and the profiler trace."""
+console/train.log stream, the step line's fields (quiet on every rank but the logging one)
+and the progress bar, the closing summary's resume command, ``run.name`` directories and
+the profiler trace."""
 
 import json
 import logging
@@ -221,3 +222,67 @@ def test_closing_summary_says_how_the_run_ended(tmp_path, monkeypatch):
     finished = lines(step=10, stop_reason=None)
     assert finished[0].startswith("run finished at step 10/10")
     assert not [line for line in finished if line.startswith("resume:")]
+
+
+def _fake_trainer(logging_rank: bool):
+    import types
+
+    from depthmix.testing import tiny_run
+
+    run = tiny_run()
+    run.train.log_interval, run.train.steps = 2, 10
+    from depthmix.planning.flops import ThroughputMeter
+
+    trainer = types.SimpleNamespace(
+        run=run, config=None, step=0, meter=ThroughputMeter(6e9, 10.0, 1000, world_size=2),
+        topo=types.SimpleNamespace(world_size=2, is_logging_rank=logging_rank))
+    return trainer
+
+
+def _step(trainer, callbacks):
+    import types
+
+    from depthmix.pretrain.trainer import Trainer
+
+    trainer.step += 1
+    trainer.meter.add(0.25)
+    result = types.SimpleNamespace(loss=2.5, lr=1e-3, grad_norm=0.75, loss_scale=1.0,
+                                   skipped=None, seconds=0.25, nonfinite_steps=0, perf=None)
+    if Trainer.is_log_step(trainer):
+        result.perf = trainer.meter.read()
+    for cb in callbacks:
+        cb.post_step(trainer, result)
+
+
+def test_console_line_fields_and_quiet_ranks():
+    from depthmix.pretrain.callbacks import ConsoleLogger
+
+    for logging_rank in (True, False):
+        lines = []
+        trainer = _fake_trainer(logging_rank)
+        console = ConsoleLogger(printer=lines.append)
+        for _ in range(4):
+            _step(trainer, [console])
+        if not logging_rank:
+            assert lines == []
+            continue
+        assert len(lines) == 3  # step 1, then every log_interval=2 steps
+        line = lines[-1]
+        # 1000 tokens / 0.25 s = 4000 tok/s; x 6 GFLOP / 2 devices = 12 TFLOP/s; / 10 = 120%
+        for part in ("step      4/10", "loss 2.5000", "lr 1.000e-03", "grad 0.750", "scale 1",
+                     "4,000 tok/s", "12.00 TFLOP/s", "MFU 120.0%", "rss ", "0.250 s/step"):
+            assert part in line, (part, line)
+
+
+def test_progress_bar_carries_the_log_lines(capsys):
+    from depthmix.pretrain.callbacks import ConsoleLogger, ProgressBar
+
+    trainer = _fake_trainer(True)
+    bar, console = ProgressBar(force=True), ConsoleLogger()
+    bar.pre_train(trainer)
+    for _ in range(2):
+        _step(trainer, [console, bar])
+    assert bar.bar.n == 2
+    bar.close(trainer)
+    out = capsys.readouterr()
+    assert "step      2/10" in out.out and "step" in out.err  # line above, bar on stderr

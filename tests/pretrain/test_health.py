@@ -274,7 +274,6 @@ def _two_ranks() -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
 def test_ranks_agree_without_an_extra_collective():
     per_rank = spawn(_two_ranks, 2, timeout=240)
     for name in ("dp2", "pp2"):
@@ -291,7 +290,6 @@ def test_ranks_agree_without_an_extra_collective():
 
 
 @pytest.mark.multiproc(at_once=1)
-@pytest.mark.slow
 def test_cli_exits_3_when_training_diverges(tmp_path):
     out = tmp_path / "run"
     proc = run_cli(["model=tiny", "logger=none", "train.log_interval=1", "train.eval_interval=0",

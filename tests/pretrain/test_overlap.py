@@ -4,17 +4,21 @@
 One group of 2 ranks and one of 4 run every case one after the other (Megatron's parallel
 state is rebuilt between runs):
 
-* parity: at DP2, DP2 + distributed optimizer, PP2 x DP2 and PP2 x VP2 x DP2 (both with the
-  distributed optimizer; the interleaved one with ``align_param_gather``), for vanilla and
-  two depth mixers, overlap on trains exactly as overlap off: losses, gradient norms, full
-  gradients after steps 1 and 2 (step 2 is the first whose reductions overlap: Megatron
-  learns the bucket order in step 1) and the evaluation loss after step 4, bit for bit
+* parity: at DP2 + distributed optimizer (the full lane: DP2, PP2 x DP2 and PP2 x VP2 x
+  DP2, both with the distributed optimizer; the interleaved one with
+  ``align_param_gather``), for vanilla and two depth mixers, overlap on trains exactly as
+  overlap off: losses, gradient norms, full gradients after steps 1 and 2 (step 2 is the
+  first whose reductions overlap: Megatron learns the bucket order in step 1) and the
+  evaluation loss after step 4, bit for bit
   (the buckets and their reduction order are the same), and every data-parallel replica
   ends with the same weights (the last parameter all-gather was finished);
 * a resume from a checkpoint saved with overlap on is bit-exact; ``on_nonfinite=skip`` and
   ``rollback`` (only one replica's batch is NaN) take the same steps as with overlap off;
 * the overlap is real: the first bucket's reduction is issued before the backward pass of
-  the first layer (the last one backward computes) has started; with overlap off, after.
+  the first layer (the last one backward computes) has started; with overlap off, after
+  (with the distributed optimizer; without it in the full lane).
+
+The groups train only the layouts the session's tests use.
 """
 
 import functools
@@ -26,9 +30,10 @@ import torch
 
 from depthmix.testing import gather_full, variant_cases, variant_run
 
+from layouts import full_except
 from run_harness import FaultyData, Recorder, make_run, spawn, train
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = pytest.mark.multiproc
 
 MIXERS = {test_id: (mixer, variant) for test_id, mixer, variant in variant_cases("parity")
           if test_id in ("vanilla", "mhc-n2", "attnres_block-bs2")}
@@ -177,20 +182,34 @@ def _order_of_events(distributed_optimizer: bool, on: bool) -> list:
     return events[start:]
 
 
-def _world2(tmp: str) -> dict:
-    out = {"parity": _parity(["dp2", "dp2_distopt"]), **_health_and_resume(tmp)}
-    out["order"] = {(d, on): _order_of_events(d, on) for d in (False, True) for on in (False, True)}
+def _world2(tmp: str, layouts: list, orders: list) -> dict:
+    out = {"parity": _parity(layouts), **_health_and_resume(tmp)}
+    out["order"] = {(d, on): _order_of_events(d, on) for d in orders for on in (False, True)}
     return out
 
 
-def _world4() -> dict:
-    return {"parity": _parity(["pp2_dp2_distopt", "pp2_vp2_dp2_distopt"])}
+def _world4(layouts: list) -> dict:
+    return {"parity": _parity(layouts)}
+
+
+def _params_run_here(session, test: str, name: str) -> list:
+    return [item.callspec.params[name] for item in session.items
+            if item.module.__name__ == __name__ and item.originalname == test]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, request):
+    """The two groups, each training the layouts this session's tests use."""
     tmp = str(tmp_path_factory.mktemp("overlap"))
-    return {2: spawn(_world2, 2, (tmp,), timeout=300), 4: spawn(_world4, 4, timeout=300)}
+    layouts = _params_run_here(request.session, "test_overlap_trains_exactly_as_without",
+                               "layout")
+    orders = _params_run_here(request.session,
+                              "test_first_bucket_is_reduced_before_the_first_layers_backward",
+                              "distributed_optimizer")
+    two = [name for name in LAYOUTS if LAYOUTS[name][0] == 2 and name in layouts]
+    four = [name for name in LAYOUTS if LAYOUTS[name][0] == 4 and name in layouts]
+    return {2: spawn(_world2, 2, (tmp, two, orders), timeout=300),
+            4: spawn(_world4, 4, (four,), timeout=300) if four else None}
 
 
 def _exactly_equal(a: dict, b: dict, label: str) -> None:
@@ -203,7 +222,7 @@ def _exactly_equal(a: dict, b: dict, label: str) -> None:
             assert torch.equal(ga[name], gb[name]), f"{label}: step {step + 1} gradient {name}"
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", full_except(LAYOUTS, {"dp2_distopt"}))
 def test_overlap_trains_exactly_as_without(results, layout):
     world, parallel = LAYOUTS[layout]
     per_rank = results[world]
@@ -250,7 +269,8 @@ def test_nonfinite_policies_act_alike_with_overlap(results, policy):
     assert len(digests) == 1  # both replicas
 
 
-@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["dp2", "dp2_distopt"])
+@pytest.mark.parametrize("distributed_optimizer", full_except(
+    [False, True], {True}, ids=lambda d: "dp2_distopt" if d else "dp2"))
 def test_first_bucket_is_reduced_before_the_first_layers_backward(results, distributed_optimizer):
     """Buckets hold the parameters in reverse order: bucket 0 (the output layer and the last
     layers) is complete long before backward reaches layer 0. With overlap its reduction is

@@ -2,7 +2,7 @@
 and resumed with ``run.name``, its closing summary prints one ``wandb sync`` command with
 both offline segments; the same command run again on the finished run says so and exits 0
 in seconds without opening another W&B run. At PP=2 (the logging rank is the last stage,
-not rank 0), ``train.log`` holds every step line and the closing summary."""
+not rank 0; the full lane), ``train.log`` holds every step line and the closing summary."""
 
 import os
 import re
@@ -15,7 +15,6 @@ from cli_runs import TINY, base_env, torchrun
 from run_harness import run_cli
 from wandb_files import run_dirs
 
-pytestmark = [pytest.mark.slow]
 
 SHORT = [a for a in TINY if not a.startswith("train.steps=")] + ["train.steps=3"]
 
@@ -48,6 +47,7 @@ def test_resumed_run_syncs_every_segment_and_a_finished_run_stops_at_once(tmp_pa
 
 
 @pytest.mark.multiproc
+@pytest.mark.full
 def test_train_log_holds_the_last_stages_lines_at_pp2(tmp_path):
     tmp = str(tmp_path)
     env = base_env(tmp, os.path.join(tmp, "cache"))

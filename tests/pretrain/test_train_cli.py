@@ -1,4 +1,5 @@
-"""`depthmix-train` end to end: the embedded default learns, one rank prints."""
+"""`depthmix-train` end to end: the embedded default learns, one rank prints; (the full
+lane) a multirun over two mixers, each learning in its own directory."""
 
 import re
 
@@ -6,7 +7,7 @@ import pytest
 
 from cli_processes import clean_env, run
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc(at_once=1)]
+pytestmark = pytest.mark.multiproc(at_once=1)
 
 LINE = re.compile(r"^step\s+(\d+)/\d+ \| loss ([0-9.]+)", re.M)
 
@@ -20,6 +21,7 @@ def test_tiny_model_learns_on_the_embedded_corpus(tiny_training):
     assert re.search(r"^eval step\s+60 \| loss [0-9.]+ \| ppl", out, re.M), out
 
 
+@pytest.mark.full
 def test_mixers_learn_in_one_multirun(tmp_path):
     """`depthmix-train -m mixer=a,b`: each mixer trains the tiny model (6 layers, so Block
     AttnRes' default 12-sublayer block fits) with its loss falling, each job in its own

@@ -14,7 +14,7 @@ from PIL import Image
 from run_harness import make_run, spawn, train
 from wandb_files import read_run, run_dirs
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = pytest.mark.multiproc
 
 
 def fake_weights(layer: int) -> np.ndarray:

@@ -1,8 +1,9 @@
-"""The launch scripts: syntax and shellcheck; the sbatch script end to end in a simulated
-single-node SLURM job (SLURM_* set, fake srun/scontrol/scancel on PATH, 2 ranks on CPU):
-world-size check, training, USR1 near the time limit -> ranks save -> requeue, and the
-requeued job resuming from that checkpoint in the same output directory; SIGTERM to every
-process of the job (preemption) -> ranks save, exit 0, the job log ends with the summary."""
+"""The launch scripts: syntax and shellcheck; the sbatch script's world-size check; end to
+end in a simulated single-node SLURM job (SLURM_* set, fake srun/scontrol/scancel on PATH,
+2 ranks on CPU; the full lane): training, USR1 near the time limit -> ranks save ->
+requeue, and the requeued job resuming from that checkpoint in the same output directory;
+SIGTERM to every process of the job (preemption) -> ranks save, exit 0, the job log ends
+with the summary. (SIGUSR1's save in one process: ``tests/pretrain/test_signals.py``.)"""
 
 import os
 import re
@@ -57,7 +58,7 @@ def test_sbatch_refuses_a_world_size_that_does_not_fit(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
+@pytest.mark.full
 def test_sbatch_trains_saves_on_usr1_requeues_and_resumes(tmp_path):
     tmp, cache = str(tmp_path), str(tmp_path / "cache")
     env = slurm_env(tmp, cache, job_id="4242")
@@ -100,7 +101,7 @@ def test_sbatch_trains_saves_on_usr1_requeues_and_resumes(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow
+@pytest.mark.full
 def test_sbatch_sigterm_to_the_whole_job_saves_and_ends_with_the_summary(tmp_path):
     """Scheduler preemption or scancel: SIGTERM to every process of the job at once (batch
     script, srun, node.sh, torchrun, ranks), and srun forwards it to the step once more

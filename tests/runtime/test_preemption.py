@@ -1,9 +1,10 @@
 """SIGTERM to one rank of a running 2-process torchrun training (PP=2, gloo): both ranks
-stop after the same step, save a complete checkpoint of it and exit 0; re-running with the
-same run key resumes from that step. Also: ranks agree on one output directory; SIGTERM to
-``launch/local.sh`` during evaluation stops within one eval batch and exits 0, and so does
-Ctrl-C to it. A launcher's signal stop ends its console with the closing summary: no
-torchrun traceback, one "received" line."""
+stop after the same step, save a complete checkpoint of it and exit 0, and the ranks agree
+on one output directory. The full lane: re-running with the resume command the summary
+prints resumes from that step; SIGTERM to ``launch/local.sh`` during evaluation stops
+within one eval batch and exits 0, and so does Ctrl-C to it (in one process:
+``tests/pretrain/test_signals.py``). A launcher's signal stop ends its console with the
+closing summary: no torchrun traceback, one "received" line."""
 
 import os
 import re
@@ -19,7 +20,7 @@ from cli_runs import (TINY, Proc, assert_quiet_signal_stop, base_env, rank_proce
                       sigint_at_default, torchrun)
 from run_harness import PYTHON, REPO
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,7 @@ def test_sigterm_saves_the_current_step_and_exits_zero(preempted):
     assert meta["layout"]["pp"] == 2
 
 
+@pytest.mark.full
 def test_rerun_resumes_from_the_preemption_checkpoint(preempted):
     """With the command the closing summary prints (no environment variable)."""
     first, tmp = preempted["first"], preempted["tmp"]
@@ -91,6 +93,7 @@ def test_rerun_resumes_from_the_preemption_checkpoint(preempted):
 LOCAL_SH = os.path.join(REPO, "launch", "local.sh")
 
 
+@pytest.mark.full
 def test_launcher_sigterm_during_eval_saves_within_one_eval_batch(tmp_path):
     """launch/local.sh with 2 ranks (PP=2), SIGTERM to the script while both ranks are in a
     300-batch evaluation: torchrun forwards it, the ranks agree to stop after the same eval
@@ -123,6 +126,7 @@ def test_launcher_sigterm_during_eval_saves_within_one_eval_batch(tmp_path):
         assert "Received 15 death signal, shutting down workers" in f.read()
 
 
+@pytest.mark.full
 def test_launcher_ctrl_c_saves_and_ends_with_the_summary(tmp_path):
     """launch/local.sh with 2 ranks (PP=2), stopped by Ctrl-C (SIGINT to the script, at its
     default disposition as under a terminal; torchrun forwards it): both ranks save the step

@@ -1,6 +1,8 @@
 """tools/chaos.py with 3 faults on one rank: the interrupted and relaunched job ends with the
 uninterrupted run's losses (every step, every attempt), final weights and final evaluation,
-and no process outlives an attempt."""
+and no process outlives an attempt. The full lane: one process's kill -9 leaving nothing
+behind is ``tests/checkpoint/test_save_guard.py``, bit-exact resume
+``tests/checkpoint/test_resume.py``."""
 
 import json
 import os
@@ -11,7 +13,7 @@ import pytest
 
 TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "chaos.py")
 
-pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+pytestmark = [pytest.mark.multiproc, pytest.mark.full]
 
 
 def _chaos(tmp_path, *args):

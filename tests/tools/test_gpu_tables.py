@@ -53,9 +53,10 @@ def _run_file() -> dict:
             step("mhc", "triton", 140.0, 7.0),
             {"part": "mixers", "id": "mixers/moda/torch/eager", "status": "oom",
              "reason": "OutOfMemoryError: CUDA out of memory", "seconds": 9.0},
-            {"part": "checks", "id": "checks/triton_vs_torch/mhc", "status": "ok",
-             "reason": None, "seconds": 9.0, "kind": "check", "check": "triton_vs_torch/mhc",
-             "passed": False, "details": {"max_abs_diff": 0.5, "tolerance": 0.02}}]
+            {"part": "checks", "id": "checks/test_stack::test_gpu[mhc]", "status": "ok",
+             "reason": None, "seconds": 9.0, "kind": "check", "check": "test_stack::test_gpu[mhc]",
+             "passed": False, "details": {"test": "tests/kernels/test_stack.py::test_gpu[mhc]",
+                                          "message": "AssertionError: losses differ\n by 0.5"}}]
     return {"schema": gpu_runs.SCHEMA, "tool": "tools/gpu_bench.py", "date": "2026-12-01",
             "started": "2026-12-01T00:00:00+00:00", "argv": [[]], "smoke": False,
             "environment": env, "options": {"train.compile": True}, "rows": rows,
@@ -75,8 +76,7 @@ def test_the_generated_tables_show_each_verdict():
     assert mixers[3][-2:] == ["7.00", "fail (≤ 110.5)"]
     assert mixers[4][-1] == "oom: OutOfMemoryError: CUDA out of memory"
     check = markdown_rows(generated["checks"])[1]
-    assert check[:2] == ["triton_vs_torch/mhc", "**FAIL**"]
-    assert check[2].startswith("max loss difference 5.00e-01")
+    assert check == ["test_stack::test_gpu[mhc]", "**FAIL**", "AssertionError: losses differ by 0.5"]
     stem = tables.stem_of(doc)
     assert stem == "2026-12-01-h100-0123456789"
     text, problems = tables.render(f"{tables.ANCHOR}\n", {stem: doc})
