@@ -108,6 +108,11 @@ def schema_options(group: str) -> List[Option]:
     return class_options(_SCHEMA, CHECKED_SCHEMAS[group])
 
 
+def moe_options() -> List[Option]:
+    """``model.moe.<option>``: the experts (:class:`~depthmix.config.schema.MoEConfig`)."""
+    return class_options(_SCHEMA, "MoEConfig")
+
+
 def mixer_classes() -> Dict[str, Tuple[str, str]]:
     """``mixer name -> (source file, config class name)`` of every registered mixer."""
     from depthmix.mixers import available, get_mixer
@@ -193,6 +198,10 @@ def help_text(cfg=None, overrides: Sequence[str] = ()) -> str:
         lines += ["", f"{group} options ({group}.<option>=value; the preset in configs/{group}/ "
                   "sets some):"]
         lines += _describe(f"{group}.", schema_options(group), get(group))
+        if group == "model":
+            moe = get("model").get("moe") if get("model") is not None else None
+            lines += ["", "model.moe options (mixture-of-experts layers; docs/moe.md):"]
+            lines += _describe("model.moe.", moe_options(), moe)
     chosen = str(get("mixer").name) if get("mixer") is not None else None
     lines += ["", "mixer options (every method):"]
     lines += _describe("mixer.", mixer_options(), get("mixer"))
@@ -269,6 +278,8 @@ def diagnose(parsed, compose) -> Optional[str]:
         if head == "mixer" and mixer is None:
             continue  # another override breaks the config: that one is reported
         fields = group_fields(head, mixer)
+        if key.startswith("model.moe."):
+            head, field, fields = "model.moe", key.split(".")[2], [o.name for o in moe_options()]
         if field in fields:
             continue
         where = f"mixer={mixer}" if mixer else head
