@@ -61,13 +61,12 @@ class MoEConfig:
     (ST-MoE; 1e-3 there); 0: none."""
     dropless: bool = True
     """Every routed token reaches its experts. false: each expert takes at most
-    ``capacity_factor * tokens * top_k / num_experts`` tokens, the rest are dropped (the
-    shared expert and the residual still carry them)."""
+    ``capacity_factor * tokens * top_k / num_experts`` tokens of a micro-batch, the rest are
+    dropped (the shared expert and the residual still carry them)."""
     capacity_factor: Optional[float] = None
-    """Expert capacity with ``dropless=false`` (GShard, Switch Transformer: 1.0-2.0)."""
-    drop_policy: str = "probs"
-    """Which tokens an expert over capacity drops: ``probs`` (the lowest weights) or
-    ``position`` (the last in the micro-batch)."""
+    """Expert capacity with ``dropless=false`` (GShard, Switch Transformer: 1.0-2.0). An
+    expert over capacity drops the assignments of the lowest weights (Megatron's ``probs``
+    policy; its ``position`` policy does not keep the first tokens, so it is not offered)."""
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether (0-based, unique) layer ``layer`` has experts."""

@@ -43,7 +43,6 @@ CHOICES = {
     "train.fused_cross_entropy": FAST_PATH_MODES,
     "model.moe.score_function": ("softmax", "sigmoid"),
     "model.moe.aux_loss_scope": ("batch", "sequence"),
-    "model.moe.drop_policy": ("probs", "position"),
 }
 """Allowed values of the string options of the config groups (mixers: ``MixerConfig.CHOICES``)."""
 FREE_TEXT = frozenset({

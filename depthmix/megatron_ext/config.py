@@ -143,7 +143,7 @@ def _moe_fields(run: RunConfig) -> dict:
         moe_router_bias_update_rate=e.expert_bias_update_rate,
         moe_z_loss_coeff=e.z_loss_coeff or None,
         moe_expert_capacity_factor=None if e.dropless else e.capacity_factor,
-        moe_token_drop_policy=e.drop_policy,
+        moe_token_drop_policy="probs",
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         moe_permute_fusion=False,

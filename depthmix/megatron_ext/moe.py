@@ -37,6 +37,15 @@ class ExpertLoadRouter(TopKRouter):
                              persistent=False)
         self.register_buffer("assigned", torch.zeros((), dtype=torch.int64), persistent=False)
 
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        """The expert-bias token counts (Megatron's, without its ``torch.compile`` wrapper:
+        a compile per process, with a C++ compiler on CPU, for one addition; a compiled
+        layer, ``train.compile``, takes it in with the rest). depthmix passes no padding
+        mask."""
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
     def routing(self, logits, padding_mask=None):
         probs, routing_map = super().routing(logits, padding_mask=padding_mask)
         if torch.is_grad_enabled():
