@@ -291,6 +291,23 @@ def diagnose(parsed, compose) -> Optional[str]:
     return None
 
 
+def experts_of_a_dense_model(parsed, cfg) -> None:
+    """An expert option (``model.moe.<x>``) for a model without experts is refused unless
+    the overrides turn them on (``model.moe.num_experts``): at its default value the
+    composed config could not tell it was given."""
+    from depthmix.config.validate import no_experts
+
+    given = [o for o in parsed if o.key_or_group.startswith("model.moe.") and not o.is_delete()]
+    if not given or any(o.key_or_group == "model.moe.num_experts" for o in given):
+        return
+    model = cfg.get("model") or {}
+    moe = model.get("moe")
+    if moe is None or not moe.get("num_experts"):
+        first = given[0]
+        raise ConfigError(no_experts(f"{first.key_or_group}={_values(first)[0]}",
+                                     model.get("name")))
+
+
 @dataclass
 class Point:
     overrides: List[str]
@@ -325,10 +342,12 @@ def compose_points(overrides: Sequence[str], multirun: bool = False,
 
         def checked(items, hydra=False):
             try:
-                return compose(items, hydra)
+                cfg = compose(items, hydra)
             except errors as e:
                 found = diagnose(parser.parse_overrides(list(items)), compose)
                 raise ConfigError(found or _one_line(e)) from None
+            experts_of_a_dense_model(parser.parse_overrides(list(items)), cfg)
+            return cfg
 
         if not multirun:
             if any(o.is_sweep_override() for o in parsed):

@@ -160,6 +160,13 @@ def validate_model(run: RunConfig) -> None:
         validate_experts(run)
 
 
+def no_experts(option: str, model: str) -> str:
+    """The message for an expert option given to a model without experts."""
+    return (f"{option} is set but model={model} has no experts (model.moe.num_experts=0): "
+            "turn them on with model.moe.num_experts=N, use a preset with experts "
+            "(model=tiny_moe, ...), or drop the option")
+
+
 def validate_experts(run: RunConfig) -> None:
     """``model.moe``: experts that can route (docs/moe.md)."""
     import dataclasses
@@ -172,11 +179,7 @@ def validate_experts(run: RunConfig) -> None:
                  if getattr(e, f.name) != getattr(MoEConfig(), f.name)]
         if not given:
             return
-        raise ConfigError(
-            f"model.moe.{given[0]}={getattr(e, given[0])} is set but model={m.name} has no "
-            "experts (model.moe.num_experts=0): "
-            "turn them on with model.moe.num_experts=N, use a preset with experts "
-            "(model=tiny_moe, ...), or leave model.moe out")
+        raise ConfigError(no_experts(f"model.moe.{given[0]}={getattr(e, given[0])}", m.name))
     _choices("model.moe", e)
     _at_least("model.moe.num_experts", e.num_experts, 1)
     _require(1 <= e.top_k <= e.num_experts,
