@@ -112,6 +112,8 @@ class ExpertMeter:
         self.aux_on = config.moe_router_load_balancing_type != "none"
         self.z_on = config.moe_z_loss_coeff is not None
         self.tp, self.dp, self.n_loops = tp, dp, config.n_loops
+        # a stage without MoE layers joins the all-reduce on the model's device all the same
+        self.device = next(model[0].parameters()).device
         self.microbatches = 0
         # Megatron's tracker is process-wide: start from nothing (an earlier model in this
         # process may have had other layers)
@@ -124,7 +126,7 @@ class ExpertMeter:
         """Collective: the statistics since the last read, on every rank; then zeroed."""
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-        device = next(iter(self.routers.values())).routed.device if self.routers else "cpu"
+        device = self.device
         counts = torch.zeros(self.num_layers, self.num_experts + 1, dtype=torch.float64,
                              device=device)
         for u, router in self.routers.items():
