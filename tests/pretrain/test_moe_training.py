@@ -78,6 +78,11 @@ def test_every_mixer_trains_over_experts(megatron_single, tmp_path, mixer):
     assert all(sum(load.tokens[u]) == load.assigned[u] == 2 * 4 * 16 for u in load.layers)
     # the balance loss is at least 1 (equality: perfectly balanced), the z-loss positive
     assert all(v >= 0.99 for v in load.aux_loss.values()) and min(load.z_loss.values()) > 0
+    scalars = load.as_dict()  # W&B: means, then per layer
+    assert scalars["moe/aux_loss"] == pytest.approx(sum(load.aux_loss.values()) / 3)
+    assert all(scalars[f"moe/tokens_mean/layer{u}"] == 128 / 4 for u in load.layers)
+    assert all(f"moe/{k}/layer{u}" in scalars for u in load.layers
+               for k in ("aux_loss", "z_loss", "load_max_over_mean", "tokens_max", "dropped"))
 
 
 def _one_step(run):
