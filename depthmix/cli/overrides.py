@@ -153,6 +153,8 @@ def _value(node, name: str, default: str) -> str:
     if node is None or name not in node:
         return default
     value = OmegaConf.to_container(node, resolve=False)[name]
+    if isinstance(value, dict):  # a nested group (model.moe): its options are listed apart
+        return f"{{{len(value)} options, listed below}}"
     return "null" if value is None else str(value)
 
 
