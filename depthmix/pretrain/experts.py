@@ -97,7 +97,10 @@ class ExpertMeter:
     """Counts micro-batches and reads the experts' statistics at log steps (collective)."""
 
     def __init__(self, model, config, tp: int, dp: int):
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+        from megatron.core.transformer.moe.moe_utils import (
+            MoEAuxLossAutoScaler,
+            get_moe_layer_wise_logging_tracker,
+        )
 
         from depthmix.megatron_ext.model import unwrap
         from depthmix.megatron_ext.moe import ExpertLoadRouter
@@ -115,9 +118,11 @@ class ExpertMeter:
         # a stage without MoE layers joins the all-reduce on the model's device all the same
         self.device = next(model[0].parameters()).device
         self.microbatches = 0
-        # Megatron's tracker is process-wide: start from nothing (an earlier model in this
-        # process may have had other layers)
+        # Megatron's tracker and its losses' gradient scale are process-wide: start from
+        # nothing (an earlier model in this process may have had other layers, or left a
+        # scale of another shape or device; the schedule sets it every micro-batch)
         get_moe_layer_wise_logging_tracker().clear()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
     def add_step(self, microbatches: int) -> None:
         self.microbatches += microbatches

@@ -75,10 +75,14 @@ def test_megatron_moe_layer_matches_the_papers_arithmetic(megatron_single, case)
     with torch.no_grad():
         probs, routing_map = router(x)
     get_moe_layer_wise_logging_tracker().clear()
-    MoEAuxLossAutoScaler.set_loss_scale(torch.ones(()))
     y, bias = layer(x)
     assert bias is None
-    (y * upstream).sum().backward()
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale  # process-wide: put it back after
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.ones(1)  # the losses' weight: 1
+    try:
+        (y * upstream).sum().backward()
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale
     losses = megatron_losses()
 
     # the papers, in float64 on the same weights
