@@ -1,5 +1,5 @@
 """Megatron-Core's MoE layer as depthmix configures it (``model.moe``), against the routing
-arithmetic written from the papers (``moe_reference.py``): gating weights, the choice of
+arithmetic written from the papers (``tests/moe_reference.py``): gating weights, the choice of
 experts, dropping by capacity, the layer's output, the load-balancing and z-losses and the
 gradient they add (through Megatron's ``MoEAuxLossAutoScaler``)."""
 

@@ -2,22 +2,17 @@
 experts' losses and load; the load-balancing loss reaches the router as Megatron's schedule
 scales it; recomputation changes nothing; the expert bias moves once a step (DeepSeek-V3's
 rule) and is in the checkpoint. The routing arithmetic itself: tests/megatron_ext/
-test_moe_router.py."""
+test_moe_router.py (both against tests/moe_reference.py)."""
 
 from __future__ import annotations
-
-import os
-import sys
 
 import pytest
 import torch
 
+import moe_reference as ref
 from depthmix.config.schema import MoEConfig
 from depthmix.mixers import available
 from depthmix.testing import SyntheticData, gather_full, tiny_run
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "megatron_ext"))
-import moe_reference as ref  # noqa: E402
 
 
 def moe_run(tmp_path, mixer: str = "vanilla", steps: int = 6, **moe):
