@@ -21,3 +21,12 @@ def test_expert_options_are_compared_one_by_one_and_rebuilt():
     assert "model.moe.num_experts: checkpoint 4, this run 0" in mismatches(
         saved, compose_run("model=tiny"))
     assert run_from_record(saved).model.moe == moe.model.moe
+
+
+def test_an_expert_option_given_to_eval_is_checked_against_the_checkpoint():
+    from depthmix.evaluate.job import _requested
+
+    saved = record(compose_run("model=tiny_moe"))
+    asked = _requested(saved, compose_run("model=tiny_moe", "model.moe.top_k=3"),
+                       {"model.moe.top_k"})
+    assert mismatches(saved, asked) == ["model.moe.top_k: checkpoint 2, this run 3"]
