@@ -37,6 +37,8 @@ BAD = [
     (["model=tiny_moe", "model.moe.aux_loss_scope=global"], 1, "model.moe.aux_loss_scope"),
     (["model=tiny_moe", "model.moe.z_loss_coeff=-1"], 1, "model.moe.z_loss_coeff=-1"),
     (["model=tiny_moe", "parallel.ep=2"], 2, "expert parallelism is not available yet"),
+    (["model=tiny_moe", "train.compile=true"], 1, "train.compile=true with experts"),
+    (["model=tiny_moe", "train.cuda_graphs=true"], 1, "train.cuda_graphs=true with experts"),
 ]
 
 
