@@ -15,7 +15,7 @@ import dataclasses
 import json
 from typing import Any, Dict, List
 
-from depthmix.config.schema import ModelConfig, RunConfig
+from depthmix.config.schema import ModelConfig, MoEConfig, RunConfig
 
 RECORD_VERSION = 1
 
@@ -43,7 +43,11 @@ def fingerprint(rec: Dict[str, Any]) -> Dict[str, Any]:
     option added after the record was written (e.g. ``tie_embeddings``) counts at its
     default, which is what that checkpoint was saved with."""
     model = {**dataclasses.asdict(ModelConfig()), **rec["model"]}
+    moe = model.pop("moe") or {}
     out = {f"model.{k}": v for k, v in model.items() if k not in MODEL_FIELDS_FREE}
+    # experts option by option; a dense model (null, or no experts) is num_experts 0 alone
+    out.update({f"model.moe.{k}": v for k, v in moe.items()} if moe.get("num_experts")
+               else {"model.moe.num_experts": 0})
     out.update({f"mixer.{k}": v for k, v in rec["mixer"].items() if k not in MIXER_FIELDS_FREE})
     out["train.precision"] = rec["precision"]
     return out
@@ -81,7 +85,10 @@ def run_from_record(rec: Dict[str, Any], **mixer_overrides) -> RunConfig:
     from depthmix.config.load import saved_mixer
 
     known = {f.name for f in dataclasses.fields(ModelConfig)}
-    run = RunConfig(model=ModelConfig(**{k: v for k, v in rec["model"].items() if k in known}))
+    model = {k: v for k, v in rec["model"].items() if k in known}
+    if isinstance(model.get("moe"), dict):
+        model["moe"] = MoEConfig(**model["moe"])
+    run = RunConfig(model=ModelConfig(**model))
     run.mixer = saved_mixer(rec["mixer"], run.model, **mixer_overrides)
     run.train.precision = rec["precision"]
     return run

@@ -108,6 +108,11 @@ def schema_options(group: str) -> List[Option]:
     return class_options(_SCHEMA, CHECKED_SCHEMAS[group])
 
 
+def moe_options() -> List[Option]:
+    """``model.moe.<option>``: the experts (:class:`~depthmix.config.schema.MoEConfig`)."""
+    return class_options(_SCHEMA, "MoEConfig")
+
+
 def mixer_classes() -> Dict[str, Tuple[str, str]]:
     """``mixer name -> (source file, config class name)`` of every registered mixer."""
     from depthmix.mixers import available, get_mixer
@@ -148,6 +153,8 @@ def _value(node, name: str, default: str) -> str:
     if node is None or name not in node:
         return default
     value = OmegaConf.to_container(node, resolve=False)[name]
+    if isinstance(value, dict):  # a nested group (model.moe): its options are listed apart
+        return f"{{{len(value)} options, listed below}}"
     return "null" if value is None else str(value)
 
 
@@ -193,6 +200,10 @@ def help_text(cfg=None, overrides: Sequence[str] = ()) -> str:
         lines += ["", f"{group} options ({group}.<option>=value; the preset in configs/{group}/ "
                   "sets some):"]
         lines += _describe(f"{group}.", schema_options(group), get(group))
+        if group == "model":
+            moe = get("model").get("moe") if get("model") is not None else None
+            lines += ["", "model.moe options (mixture-of-experts layers; docs/moe.md):"]
+            lines += _describe("model.moe.", moe_options(), moe)
     chosen = str(get("mixer").name) if get("mixer") is not None else None
     lines += ["", "mixer options (every method):"]
     lines += _describe("mixer.", mixer_options(), get("mixer"))
@@ -269,6 +280,8 @@ def diagnose(parsed, compose) -> Optional[str]:
         if head == "mixer" and mixer is None:
             continue  # another override breaks the config: that one is reported
         fields = group_fields(head, mixer)
+        if key.startswith("model.moe."):
+            head, field, fields = "model.moe", key.split(".")[2], [o.name for o in moe_options()]
         if field in fields:
             continue
         where = f"mixer={mixer}" if mixer else head
@@ -278,6 +291,23 @@ def diagnose(parsed, compose) -> Optional[str]:
                 else closest(f"{head}.{field}", [f"{head}.{f}" for f in fields]))
         return f"{head}.{field} is not an option of {where}{hint}"
     return None
+
+
+def experts_of_a_dense_model(parsed, cfg) -> None:
+    """An expert option (``model.moe.<x>``) for a model without experts is refused unless
+    the overrides turn them on (``model.moe.num_experts``): at its default value the
+    composed config could not tell it was given."""
+    from depthmix.config.validate import no_experts
+
+    given = [o for o in parsed if o.key_or_group.startswith("model.moe.") and not o.is_delete()]
+    if not given or any(o.key_or_group == "model.moe.num_experts" for o in given):
+        return
+    model = cfg.get("model") or {}
+    moe = model.get("moe")
+    if moe is None or not moe.get("num_experts"):
+        first = given[0]
+        raise ConfigError(no_experts(f"{first.key_or_group}={_values(first)[0]}",
+                                     model.get("name")))
 
 
 @dataclass
@@ -314,10 +344,12 @@ def compose_points(overrides: Sequence[str], multirun: bool = False,
 
         def checked(items, hydra=False):
             try:
-                return compose(items, hydra)
+                cfg = compose(items, hydra)
             except errors as e:
                 found = diagnose(parser.parse_overrides(list(items)), compose)
                 raise ConfigError(found or _one_line(e)) from None
+            experts_of_a_dense_model(parser.parse_overrides(list(items)), cfg)
+            return cfg
 
         if not multirun:
             if any(o.is_sweep_override() for o in parsed):

@@ -17,6 +17,67 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts MLPs (Megatron-Core's ``MoELayer``) in place of the dense SwiGLU MLP
+    on some layers (``model.moe``; null: a dense model). docs/moe.md."""
+
+    num_experts: int = 0
+    """Routed experts per MoE layer. 0: no experts (a dense model); set it to turn experts on
+    for a dense preset (``model.moe.num_experts=8``)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    ffn_hidden_size: Optional[int] = None
+    """SwiGLU inner width of one routed expert; None: ``model.ffn_hidden_size``."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Inner width of the shared expert every token also goes through (DeepSeek-V3, Kimi);
+    several shared experts of width w are one of width (count * w). 0: none."""
+    first_dense_layers: int = 0
+    """The first k layers keep the dense MLP (DeepSeek-V3: 3 of 61; Kimi K2: 1 of 61)."""
+    layer_freq: int = 1
+    """After the first dense layers, every n-th layer is an MoE layer (1: all of them)."""
+    score_function: str = "softmax"
+    """Router scores: ``softmax`` over the experts (Switch Transformer, GShard, Qwen3-MoE) or
+    ``sigmoid`` per expert (DeepSeek-V3)."""
+    normalize_top_k: bool = True
+    """The k selected weights are renormalised to sum to 1 (Qwen3-MoE's ``norm_topk_prob``,
+    DeepSeek-V3); false: each is its softmax probability over all experts (Switch
+    Transformer; softmax only, needed for ``top_k=1``)."""
+    routed_scaling_factor: Optional[float] = None
+    """Multiply the routed experts' weights by this (DeepSeek-V3: 2.5); None: 1."""
+    aux_loss_coeff: float = 1e-2
+    """Weight of the load-balancing auxiliary loss (Switch Transformer's
+    ``E * sum_i f_i P_i``); 0: none."""
+    aux_loss_scope: str = "batch"
+    """``batch``: the auxiliary loss over each micro-batch's tokens (Switch, GShard);
+    ``sequence``: per sequence, averaged (DeepSeek-V3's complementary sequence-wise loss)."""
+    expert_bias: bool = False
+    """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores for
+    the top-k choice only, moved by ``expert_bias_update_rate`` towards balance once per
+    optimizer step (needs ``score_function=sigmoid``)."""
+    expert_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update (DeepSeek-V3's gamma, 0.001)."""
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss, the mean squared log-sum-exp of the router logits
+    (ST-MoE; 1e-3 there); 0: none."""
+    dropless: bool = True
+    """Every routed token reaches its experts. false: each expert takes at most
+    ``capacity_factor * tokens * top_k / num_experts`` tokens of a micro-batch, the rest are
+    dropped (the shared expert and the residual still carry them)."""
+    capacity_factor: Optional[float] = None
+    """Expert capacity with ``dropless=false`` (GShard, Switch Transformer: 1.0-2.0). An
+    expert over capacity drops the assignments of the lowest weights (Megatron's ``probs``
+    policy; its ``position`` policy does not keep the first tokens, so it is not offered)."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether (0-based, unique) layer ``layer`` has experts."""
+        after = layer - self.first_dense_layers
+        return self.num_experts > 0 and after >= 0 and after % self.layer_freq == 0
+
+    def expert_ffn_hidden_size(self, model: "ModelConfig") -> int:
+        return self.ffn_hidden_size or model.ffn_hidden_size
+
+
+@dataclass
 class ModelConfig:
     """Architecture of the Qwen3-style decoder (a preset from ``configs/model``)."""
 
@@ -57,6 +118,14 @@ class ModelConfig:
     tie_embeddings: bool = False
     """One matrix for the input embedding and the output layer (most small Qwen3 and Llama
     models; the papers' presets keep them separate)."""
+    moe: Optional[MoEConfig] = field(default_factory=MoEConfig)
+    """Mixture-of-experts layers (``model.moe.<option>``, listed below); without experts
+    (``model.moe.num_experts=0``, or null) every MLP is dense."""
+
+    @property
+    def experts(self) -> Optional[MoEConfig]:
+        """``moe`` when it has experts, else None (dense)."""
+        return self.moe if self.moe is not None and self.moe.num_experts > 0 else None
 
     @property
     def kv_channels(self) -> int:
@@ -82,6 +151,9 @@ class ParallelConfig:
     """Virtual pipeline stages per pipeline rank (interleaved 1F1B); None = plain 1F1B."""
     dp: Optional[int] = None
     """Data-parallel size; derived as world / (tp * pp) when None, checked when set."""
+    ep: int = 1
+    """Expert-parallel size: the routed experts of each MoE layer are split over this many
+    data-parallel ranks (needs ``model.moe``; divides the data-parallel size)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs ``tp > 1``)."""
     distributed_optimizer: bool = False

@@ -44,6 +44,8 @@ CHOICES = {
     "train.compile": COMPILE_MODES,
     "train.fused_optimizer": FAST_PATH_MODES,
     "train.fused_cross_entropy": FAST_PATH_MODES,
+    "model.moe.score_function": ("softmax", "sigmoid"),
+    "model.moe.aux_loss_scope": ("batch", "sequence"),
 }
 """Allowed values of the string options of the config groups (mixers: ``MixerConfig.CHOICES``)."""
 FREE_TEXT = frozenset({
@@ -90,8 +92,8 @@ def _positive(option: str, value) -> None:
 
 def _choices(group: str, cfg) -> None:
     for option, allowed in CHOICES.items():
-        if option.startswith(f"{group}."):
-            check_choice(option, getattr(cfg, option.split(".", 1)[1]), allowed)
+        if option.startswith(f"{group}.") and option.count(".") == group.count(".") + 1:
+            check_choice(option, getattr(cfg, option.rsplit(".", 1)[1]), allowed)
 
 
 def split_weights(split: str) -> list:
@@ -157,12 +159,71 @@ def validate_model(run: RunConfig) -> None:
         _require(m.hidden_size % m.num_attention_heads == 0,
                  f"model.hidden_size={m.hidden_size} is not divisible by "
                  f"model.num_attention_heads={m.num_attention_heads}; set model.head_dim")
+    if m.moe is not None:
+        validate_experts(run)
+
+
+def no_experts(option: str, model: str) -> str:
+    """The message for an expert option given to a model without experts."""
+    return (f"{option} is set but model={model} has no experts (model.moe.num_experts=0): "
+            "turn them on with model.moe.num_experts=N, use a preset with experts "
+            "(model=tiny_moe, ...), or drop the option")
+
+
+def validate_experts(run: RunConfig) -> None:
+    """``model.moe``: experts that can route (docs/moe.md)."""
+    import dataclasses
+
+    from depthmix.config.schema import MoEConfig
+
+    m, e = run.model, run.model.moe
+    if e.num_experts == 0:  # dense, unless an expert option was given
+        given = [f.name for f in dataclasses.fields(MoEConfig)
+                 if getattr(e, f.name) != getattr(MoEConfig(), f.name)]
+        if not given:
+            return
+        raise ConfigError(no_experts(f"model.moe.{given[0]}={getattr(e, given[0])}", m.name))
+    _choices("model.moe", e)
+    _at_least("model.moe.num_experts", e.num_experts, 1)
+    _require(1 <= e.top_k <= e.num_experts,
+             f"model.moe.top_k={e.top_k} must be in [1, model.moe.num_experts={e.num_experts}]")
+    if e.ffn_hidden_size is not None:
+        _at_least("model.moe.ffn_hidden_size", e.ffn_hidden_size, 1)
+    _at_least("model.moe.shared_expert_ffn_hidden_size", e.shared_expert_ffn_hidden_size, 0)
+    _at_least("model.moe.layer_freq", e.layer_freq, 1)
+    _require(0 <= e.first_dense_layers < m.num_layers,
+             f"model.moe.first_dense_layers={e.first_dense_layers} must be in [0, "
+             f"model.num_layers={m.num_layers}) (else no layer has experts)")
+    for name in ("aux_loss_coeff", "z_loss_coeff"):
+        _at_least(f"model.moe.{name}", getattr(e, name), 0)
+    _positive("model.moe.expert_bias_update_rate", e.expert_bias_update_rate)
+    if e.routed_scaling_factor is not None:
+        _positive("model.moe.routed_scaling_factor", e.routed_scaling_factor)
+    if e.score_function == "softmax":
+        _require(e.top_k > 1 or not e.normalize_top_k,
+                 "model.moe.top_k=1 with model.moe.score_function=softmax needs "
+                 "model.moe.normalize_top_k=false (one renormalised weight is always 1: the "
+                 "router would get no gradient)")
+    else:
+        _require(e.normalize_top_k, "model.moe.normalize_top_k=false needs "
+                 "model.moe.score_function=softmax (sigmoid weights are renormalised)")
+    _require(not e.expert_bias or e.score_function == "sigmoid",
+             "model.moe.expert_bias=true needs model.moe.score_function=sigmoid (DeepSeek-V3's "
+             "auxiliary-loss-free balancing biases sigmoid scores)")
+    if e.dropless:
+        _require(e.capacity_factor is None,
+                 f"model.moe.capacity_factor={e.capacity_factor} needs model.moe.dropless=false "
+                 "(dropless experts take every token; or set model.moe.capacity_factor=null)")
+    else:
+        _require(e.capacity_factor is not None,
+                 "model.moe.dropless=false needs model.moe.capacity_factor (e.g. 1.25)")
+        _positive("model.moe.capacity_factor", e.capacity_factor)
 
 
 def validate_parallel(run: RunConfig) -> None:
     m, p = run.model, run.parallel
     _choices("parallel", p)
-    for name in ("tp", "pp"):
+    for name in ("tp", "pp", "ep"):
         _at_least(f"parallel.{name}", getattr(p, name), 1)
     for name in ("dp", "world_size"):
         if getattr(p, name) is not None:
@@ -195,6 +256,17 @@ def validate_parallel(run: RunConfig) -> None:
                  "parallel.distributed_optimizer=true (only its shards are gathered)")
         _require(p.overlap_grad_reduce is not False, "parallel.overlap_param_gather=true "
                  "needs parallel.overlap_grad_reduce (true or null)")
+    experts = m.experts
+    if experts is None:
+        _require(p.ep == 1, f"parallel.ep={p.ep} needs experts to split: model={m.name} has "
+                 "none (model.moe.num_experts)")
+    else:
+        _require(experts.num_experts % p.ep == 0,
+                 f"model.moe.num_experts={experts.num_experts} is not divisible by "
+                 f"parallel.ep={p.ep}")
+        _require(p.tp == 1 or p.sequence_parallel,
+                 f"parallel.tp={p.tp} with experts needs parallel.sequence_parallel=true "
+                 "(Megatron's MoE layer routes each rank's sequence shard)")
     if p.sequence_parallel:
         _require(p.tp > 1, "parallel.sequence_parallel=true needs parallel.tp > 1")
         _require(m.seq_length % p.tp == 0,
@@ -294,6 +366,10 @@ def validate_layout(run: RunConfig, world_size: int) -> None:
              f"parallel.world_size={p.world_size} but this job has {world_size} processes "
              "(torchrun --nnodes x --nproc-per-node, or srun tasks)")
     dp = data_parallel_size(run, world_size)
+    _require(dp % p.ep == 0,
+             f"parallel.ep={p.ep} does not divide the data-parallel size {dp} (world size "
+             f"{world_size} / (parallel.tp * parallel.pp = {p.tp} * {p.pp})): parallel.ep * "
+             "parallel.tp * parallel.pp must divide the world size")
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"train.global_batch_size={t.global_batch_size} is not divisible by "
              f"train.micro_batch_size * data-parallel size = {t.micro_batch_size} * {dp}")
@@ -316,3 +392,6 @@ def validate(run: RunConfig, world_size: Optional[int] = None) -> None:
         validate_layout(run, world_size)
     if run.mixer is not None:
         run.mixer.validate(run.model, run.parallel)
+    # the option and its checks are in; the expert-parallel groups are not yet
+    _require(run.parallel.ep == 1, f"parallel.ep={run.parallel.ep}: expert parallelism is not "
+             "available yet; use parallel.ep=1")

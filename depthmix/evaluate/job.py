@@ -79,7 +79,8 @@ def _requested(record: dict, composed: RunConfig, given: set) -> RunConfig:
         model = dataclasses.asdict(composed.model)
     for key in given:
         if key.startswith("model."):
-            model[key[6:]] = getattr(composed.model, key[6:])
+            name = key[6:].split(".")[0]  # model.moe.<x>: the whole model.moe as composed
+            model[name] = getattr(composed.model, name)
     mixer = dict(record["mixer"])
     if "mixer" in given and composed.mixer.name != mixer["name"]:
         mixer = dataclasses.asdict(composed.mixer)

@@ -57,6 +57,9 @@ def check_exportable(run) -> None:
     if m.n_loops != 1:
         raise ConfigError(f"model.n_loops={m.n_loops}: looped models have no Hugging Face "
                           "modeling code yet")
+    if m.experts is not None:
+        raise ConfigError(f"model.moe.num_experts={m.experts.num_experts}: models with experts "
+                          "have no Hugging Face export yet (Qwen3-MoE comes next)")
     if mixer.name == "depth_attn" and mixer.mixed_state != "value":
         raise ConfigError(f"mixer.mixed_state={mixer.mixed_state}: the exported modeling code "
                           "implements mixed_state=value only")

@@ -113,4 +113,40 @@ def to_transformer_config(run: RunConfig):
         tie_embeddings=m.tie_embeddings,
         init_seed=t.seed,
         fused_cross_entropy=fused_loss_enabled(run),
+        **_moe_fields(run),
+    )
+
+
+def _moe_fields(run: RunConfig) -> dict:
+    """``model.moe`` as Megatron's ``moe_*`` fields (none for a dense model): its own
+    ``MoELayer`` with the all-to-all dispatcher and sequential experts (no Transformer
+    Engine, no grouped GEMM), routing in fp32."""
+    m, e = run.model, run.model.experts
+    if e is None:
+        return {}
+    balancing = {"batch": "aux_loss", "sequence": "seq_aux_loss"}[e.aux_loss_scope]
+    return dict(
+        num_moe_experts=e.num_experts,
+        moe_ffn_hidden_size=e.expert_ffn_hidden_size(m),
+        moe_shared_expert_intermediate_size=e.shared_expert_ffn_hidden_size or None,
+        moe_layer_freq=[int(e.is_moe_layer(i)) for i in range(m.num_layers)],
+        moe_router_topk=e.top_k,
+        moe_router_score_function=e.score_function,
+        # softmax: over all experts before the top-k (unnormalised weights) or over the k
+        # chosen (normalised); sigmoid weights are always normalised when k > 1
+        moe_router_pre_softmax=not e.normalize_top_k,
+        moe_router_topk_scaling_factor=e.routed_scaling_factor,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type=balancing if e.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=e.aux_loss_coeff,
+        moe_router_enable_expert_bias=e.expert_bias,
+        moe_router_bias_update_rate=e.expert_bias_update_rate,
+        moe_z_loss_coeff=e.z_loss_coeff or None,
+        moe_expert_capacity_factor=None if e.dropless else e.capacity_factor,
+        moe_token_drop_policy="probs",
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=run.parallel.ep,
     )

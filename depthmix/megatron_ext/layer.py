@@ -123,7 +123,10 @@ class DepthMixLayer(MegatronModule):
                                          layer_number=layer_number, sublayer="mlp")
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config,
                                               hidden_size=h, eps=eps)
-        self.mlp = build_module(submodules.mlp, config=config)
+        self.mlp = build_module(submodules.mlp, config=config,
+                                **_mlp_kwargs(submodules.mlp, pg_collection))
+        if hasattr(self.mlp, "set_layer_number"):  # MoE: its router logs under the number
+            self.mlp.set_layer_number(layer_number)
         self.mlp_depth_kv = build_module(submodules.mlp_depth_kv, config=config,
                                          layer_number=layer_number)
         # 3: after-layer operation on the whole state (DenseFormer), a no-op by default
@@ -148,6 +151,17 @@ class DepthMixLayer(MegatronModule):
 
         self.post_layer(state, ctx)
         return state
+
+
+def _mlp_kwargs(spec, pg_collection) -> dict:
+    """An MoE sublayer (Megatron's ``MoELayer``) takes its process groups (None: Megatron's
+    parallel state); a dense MLP does not."""
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    if isinstance(module, type) and issubclass(module, BaseMoELayer):
+        return {"pg_collection": pg_collection}
+    return {}
 
 
 def mark_mixing_parameter(param, config) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -73,7 +73,8 @@ class StateHead(MegatronModule):
 
 @dataclass
 class DepthMixModelSubmodules:
-    layer: Union[ModuleSpec, type]
+    layer: Union[ModuleSpec, type, Tuple[ModuleSpec, ...]]
+    """Every layer's spec, or one per (unique, global) layer (dense and MoE layers)."""
     stem: Union[ModuleSpec, type] = StateStem
     head: Union[ModuleSpec, type] = StateHead
     final_layernorm: Union[ModuleSpec, type, None] = None
@@ -89,8 +90,9 @@ class DepthMixBlock(MegatronModule):
         self.layer_indices = layer_indices
         layers = []
         for i in layer_indices:
+            spec = layer_spec[i] if isinstance(layer_spec, tuple) else layer_spec
             with seeded_init(config.init_seed + 1000 * (i + 1)):
-                layers.append(build_module(layer_spec, config=config, layer_number=i + 1,
+                layers.append(build_module(spec, config=config, layer_number=i + 1,
                                            pg_collection=pg_collection))
         self.layers = torch.nn.ModuleList(layers)
 

@@ -1,10 +1,14 @@
 """Layer and model specs (Megatron ``ModuleSpec`` idiom).
 
 ``get_decoder_layer_submodules(config)`` is the vanilla Qwen3 layer; every mixer starts
-from it and swaps the slots it needs with ``dataclasses.replace``.
+from it and swaps the slots it needs with ``dataclasses.replace``. ``get_model_submodules``
+wraps the mixer's layer; with experts (``model.moe``) it gives one layer spec per layer,
+the MoE layers' MLP slot holding Megatron's MoE layer (:mod:`depthmix.megatron_ext.moe`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
@@ -59,10 +63,23 @@ def get_decoder_layer_submodules(config) -> DepthMixLayerSubmodules:
     return layer
 
 
+def get_layer_specs(config, layer: DepthMixLayerSubmodules):
+    """The ``DepthMixLayer`` spec of every layer: one spec, or with experts a tuple of one
+    per (unique) layer, the MoE layers' MLP slot holding the MoE spec."""
+    dense = ModuleSpec(module=DepthMixLayer, submodules=layer)
+    if not config.num_moe_experts:
+        return dense
+    from depthmix.megatron_ext.moe import get_moe_spec
+
+    moe = ModuleSpec(module=DepthMixLayer,
+                     submodules=dataclasses.replace(layer, mlp=get_moe_spec(config)))
+    return tuple(moe if is_moe else dense for is_moe in config.moe_layer_freq)
+
+
 def get_model_submodules(config, layer: DepthMixLayerSubmodules, **overrides):
     """Model spec around a layer spec; ``overrides`` replace the stem/head/final norm."""
     spec = DepthMixModelSubmodules(
-        layer=ModuleSpec(module=DepthMixLayer, submodules=layer),
+        layer=get_layer_specs(config, layer),
         final_layernorm=RMSNorm,
     )
     for key, value in overrides.items():

@@ -57,8 +57,11 @@ caches are process-global, and :func:`compile_layers` resets them for each model
 
 
 def enabled(run: RunConfig) -> bool:
-    """``true``, or ``auto`` on CUDA (the start-up checks are
+    """``true``, or ``auto`` on CUDA without experts (Megatron's MoE dispatch has
+    data-dependent shapes; the start-up checks are
     :func:`depthmix.pretrain.preflight.check_compile`)."""
+    if run.train.compile == "auto" and run.model.experts is not None:
+        return False
     return switch_on(run.train.compile)
 
 

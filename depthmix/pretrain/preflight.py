@@ -49,6 +49,11 @@ def check_compile(run: RunConfig) -> None:
     enabled`) is refused here, naming the option, rather than falling back mid-run."""
     if run.train.compile != "true":
         return
+    if run.model.experts is not None:
+        raise ConfigError("train.compile=true with experts (model.moe): Megatron's MoE layer "
+                          "dispatches tokens in data-dependent shapes, which compiled layers "
+                          "recompile for past their limit; set train.compile=false (auto is "
+                          "off with experts)")
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -69,6 +74,9 @@ def check_cuda_graphs(run: RunConfig) -> None:
     """``train.cuda_graphs=true`` records CUDA graphs of the compiled layers: refused without
     a GPU (where ``train.compile=auto`` is on; ``train.compile=false`` is refused by
     :func:`~depthmix.config.validate.validate_train`), rather than training without them."""
+    if run.train.cuda_graphs and run.model.experts is not None:
+        raise ConfigError("train.cuda_graphs=true with experts (model.moe): the layers are "
+                          "not compiled with experts; set train.cuda_graphs=false")
     if run.train.cuda_graphs and not _has_cuda_device():
         raise ConfigError("train.cuda_graphs=true needs a CUDA GPU (none visible); set "
                           "train.cuda_graphs=false")

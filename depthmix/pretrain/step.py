@@ -12,6 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from depthmix.planning.flops import Throughput
+from depthmix.pretrain.experts import ExpertLoad
 from depthmix.megatron_ext.model import unwrap
 from depthmix.pretrain import overlap
 from depthmix.pretrain.compile import step_begin as compile_step_begin
@@ -59,6 +60,8 @@ class StepResult:
     """Wall time of the step (data, forward, backward, optimizer), set by the trainer."""
     perf: Optional[Throughput] = None
     """On log steps (:meth:`Trainer.is_log_step`): throughput since the previous log step."""
+    experts: Optional[ExpertLoad] = None
+    """On log steps of a model with experts: their load and losses since the previous one."""
 
 
 def _loss_totals(losses_reduced: List[dict], device) -> torch.Tensor:

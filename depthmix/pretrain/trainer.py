@@ -18,6 +18,7 @@ from depthmix.mixers import mixer_of
 from depthmix.planning.flops import ThroughputMeter
 from depthmix.pretrain import overlap
 from depthmix.pretrain.callbacks import Callback, ConsoleLogger
+from depthmix.pretrain.experts import ExpertMeter
 from depthmix.pretrain.health import Action, HealthGuard, TrainingDiverged, Verdict
 from depthmix.pretrain.optim import build_optimizer
 from depthmix.pretrain.parallelize import build_model, init_distributed
@@ -63,6 +64,8 @@ class Trainer:
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.topo.dp)
         self.meter = ThroughputMeter.of(run, self.mixer, self.config, self.topo.world_size,
                                         device_name())
+        self.experts = (ExpertMeter(self.model, self.config, self.topo.tp, self.topo.dp)
+                        if self.config.num_moe_experts else None)
         self.last: Optional[StepResult] = None
         self.verdict: Optional[Verdict] = None
         """The health verdict on the last step, acted on after the callbacks saw it."""
@@ -221,8 +224,12 @@ class Trainer:
         self.step += 1
         self.consumed_samples += self.run.train.global_batch_size
         self.meter.add(result.seconds)
+        if self.experts is not None:
+            self.experts.add_step(self.num_microbatches)
         if self.is_log_step():
             result.perf = self.meter.read()
+            if self.experts is not None:
+                result.experts = self.experts.read()  # collective
         self.verdict = self.health.observe(self.step, result)
         result.nonfinite = self.verdict.nonfinite
         result.nonfinite_steps = self.health.total

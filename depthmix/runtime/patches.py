@@ -5,6 +5,7 @@
   as one line (:class:`depthmix.runtime.log.LibraryWarnings`).
 * :class:`~depthmix.runtime.cpu.CpuShim`: Megatron on CPU + gloo (only when CUDA is absent).
 * :class:`QuietTpGroup`: Megatron's default-TP-group lookup without its deprecation warning.
+* :class:`RouterWithoutTE`: Megatron's MoE router gating runs without Transformer Engine.
 * :class:`ForkedHelpers`: helper processes die with the trainer; checkpoint writers need no
   ``multiprocessing`` Manager process.
 * :class:`LocksReleasedAtExit`: the save directory's lock is released at exit.
@@ -86,6 +87,30 @@ class QuietTpGroup:
         from megatron.core.tensor_parallel import layers
 
         layers.get_tensor_model_parallel_group_if_none = self._original
+
+
+class RouterWithoutTE:
+    """Megatron-Core 0.16.1's router gating (``moe_utils.RouterGatingLinearFunction``) reads
+    ``te_general_gemm``, a name ``moe_utils`` binds only when Transformer Engine imports:
+    without it every MoE forward is a ``NameError``. Bound to None it takes the function's
+    own torch path (``torch.mm`` in the router dtype)."""
+
+    def __init__(self):
+        self._bound = False
+
+    def apply(self) -> None:
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+            self._bound = True
+
+    def undo(self) -> None:
+        from megatron.core.transformer.moe import moe_utils
+
+        if self._bound:
+            del moe_utils.te_general_gemm
+            self._bound = False
 
 
 # os.register_at_fork cannot be undone: the hooks are registered once and act while active
@@ -210,4 +235,5 @@ class LocksReleasedAtExit:
 def every_patch(hold_warnings: bool = True) -> List:
     """In the order they are applied (the warnings are held before Megatron is imported)."""
     patches = [HeldLibraryWarnings()] if hold_warnings else []
-    return [*patches, CpuShim(), QuietTpGroup(), ForkedHelpers(), LocksReleasedAtExit()]
+    return [*patches, CpuShim(), QuietTpGroup(), RouterWithoutTE(), ForkedHelpers(),
+            LocksReleasedAtExit()]

@@ -24,6 +24,9 @@ PAPER_LAYOUTS = {
     "moda_1p5b": (["train=moda_paper", "parallel=tp2"], 64),
     "moda_w384_l24": (["train=moda_paper"], 8),
     "moda_w384_l48": (["train=moda_paper"], 8),
+    "1p5b_moe": (["train=paper", "parallel=tp2"], 32),
+    "kimi_moe_small": ([], 1),  # small: the default training
+    "deepseek_moe_small": ([], 1),
 }
 
 
@@ -32,7 +35,7 @@ def test_every_preset_has_a_paper_layout():
 
     shipped = {p.name[:-5] for p in resources.files("depthmix.configs").joinpath("model").iterdir()
                if p.name.endswith(".yaml")}
-    assert shipped - {"tiny"} == set(PAPER_LAYOUTS)
+    assert shipped - {"tiny", "tiny_moe"} == set(PAPER_LAYOUTS)
 
 
 PAIRS = [(p, m) for p in sorted(PAPER_LAYOUTS) for m in available()]

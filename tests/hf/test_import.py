@@ -5,6 +5,7 @@ for bit; what does not map is refused at once, naming the field. The import's ou
 directory is itself the checkpoint every command takes (here: its own path, not its
 ``checkpoints/``). (The other layouts: ``test_import_layouts.py``.)"""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -115,7 +116,7 @@ def test_the_output_is_a_checkpoint_a_preset_and_the_tokenizer(imported, hf_dirs
              f"train.load_dir={out}", "mixer=attnres_block",
              f"output_dir={tmp_path}"]
     run = compose_run(*given, "train.load_weights_only=true")
-    assert json.loads(json.dumps(vars(run.model))) == model
+    assert json.loads(json.dumps(dataclasses.asdict(run.model))) == model
     preflight(run, 1, data=False)  # a ConfigError on anything that would stop the start
 
 

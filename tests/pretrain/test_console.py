@@ -247,7 +247,8 @@ def _step(trainer, callbacks):
     trainer.step += 1
     trainer.meter.add(0.25)
     result = types.SimpleNamespace(loss=2.5, lr=1e-3, grad_norm=0.75, loss_scale=1.0,
-                                   skipped=None, seconds=0.25, nonfinite_steps=0, perf=None)
+                                   skipped=None, seconds=0.25, nonfinite_steps=0, perf=None,
+                                   experts=None)
     if Trainer.is_log_step(trainer):
         result.perf = trainer.meter.read()
     for cb in callbacks:

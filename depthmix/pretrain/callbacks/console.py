@@ -13,7 +13,10 @@ from depthmix.pretrain.callbacks.base import Callback
 
 class ConsoleLogger(Callback):
     """``step | loss | lr | grad norm | loss scale | tokens/s | TFLOP/s per device | MFU |
-    memory | s/step`` (TFLOP/s and MFU only where the device's peak is known). Throughput
+    memory | s/step`` (TFLOP/s and MFU only where the device's peak is known), with experts
+    ``| aux | z`` (their losses, mean over the MoE layers) after the loss and a second line
+    ``experts step | load max/mean at the worst layer | dropped``
+    (:class:`~depthmix.pretrain.experts.ExpertLoad`). Throughput
     is the trainer's (averaged over the steps since the last log step). Lines go through
     :func:`run_log.say` (console and ``train.log``), or to ``printer`` when given. Before
     training starts it prints the start-up summary of the libraries' warnings."""
@@ -48,14 +51,18 @@ class ConsoleLogger(Callback):
         mem = memory_stats()
         mem_text = (f" | mem {mem['mem/peak_alloc_gib']:.1f} GiB" if "mem/peak_alloc_gib" in mem
                     else f" | rss {mem['mem/rss_gib']:.2f} GiB" if "mem/rss_gib" in mem else "")
+        experts = result.experts
         self._emit(
             trainer,
-            f"step {trainer.step:>6}/{t.steps} | loss {result.loss:.4f} | lr {result.lr:.3e} "
+            f"step {trainer.step:>6}/{t.steps} | loss {result.loss:.4f}"
+            f"{experts.losses() if experts is not None else ''} | lr {result.lr:.3e} "
             f"| grad {grad} | scale {result.loss_scale:g} | {perf.tokens_per_s:,.0f} tok/s"
             f"{flops}{mem_text} "
             f"| {perf.seconds_per_step:.3f} s/step" + (" | skipped" if result.skipped else "")
             + (f" | nonfinite {result.nonfinite_steps}" if result.nonfinite_steps else ""),
         )
+        if experts is not None:
+            self._emit(trainer, f"experts step {trainer.step:>6} | {experts.summary()}")
 
     def post_eval(self, trainer, result) -> None:
         ppl = math.exp(min(result.loss, 50))

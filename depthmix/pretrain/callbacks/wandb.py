@@ -13,7 +13,10 @@
 * Logged: the full resolved config (plus layout, world size, FLOPs per token); every
   ``train.log_interval`` steps ``train/{loss,lr,grad_norm,loss_scale,skipped,
   nonfinite_steps,consumed_samples,tokens}``,
-  ``perf/{tokens_per_s,tflops_per_device,mfu,step_time_s}``, ``mem/*``; after each
+  ``perf/{tokens_per_s,tflops_per_device,mfu,step_time_s}``, ``mem/*``, with experts
+  ``moe/{aux_loss,z_loss,load_max_over_mean,dropped}`` and per MoE layer ``u``
+  ``moe/{aux_loss,z_loss,load_max_over_mean,tokens_max,tokens_mean,dropped}/layer<u>``
+  (:class:`~depthmix.pretrain.experts.ExpertLoad`); after each
   evaluation ``val/{loss,ppl}``; the depth statistics a
   :class:`~depthmix.pretrain.callbacks.depth_stats.DepthStatsCallback` hands over (every
   ``logger.depth_stats_interval`` steps) as heatmaps (``depth/<name>/heatmap``, a
@@ -144,6 +147,8 @@ class WandbLogger(Callback):
         }
         if result.grad_norm is not None:
             data["train/grad_norm"] = result.grad_norm
+        if result.experts is not None:
+            data.update(result.experts.as_dict())
         self.run.log(data, step=trainer.step)
 
     def post_eval(self, trainer, result) -> None:

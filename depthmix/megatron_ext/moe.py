@@ -1,0 +1,72 @@
+"""The mixture-of-experts sublayer: Megatron-Core's ``MoELayer`` in the layer's MLP slot.
+
+:func:`get_moe_spec` is Megatron's own MoE spec for local (non-Transformer-Engine) modules:
+the top-k router, the all-to-all token dispatcher, ``SequentialMLP`` experts (SwiGLU MLPs
+run one after the other: the reference and the CPU path) and a ``SharedExpertMLP`` when
+``model.moe.shared_expert_ffn_hidden_size`` is set. Its router is :class:`ExpertLoadRouter`,
+Megatron's ``TopKRouter`` that also counts what it routes for the console and W&B
+(:mod:`depthmix.pretrain.experts`).
+
+To a depth mixer the MoE sublayer is an MLP: it reads the sublayer input from the depth
+state before it and writes its output after it (``megatron_ext/specs.py`` puts this spec
+in the MLP slot of the MoE layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+class ExpertLoadRouter(TopKRouter):
+    """``TopKRouter`` counting, over the training forwards since the last :meth:`take`, the
+    token-expert assignments each expert received and the assignments made (tokens x top-k;
+    the difference is what capacity dropped). Like Megatron's expert-bias counts it counts
+    only where gradients are on: an evaluation or a statistics pass does not count, and a
+    layer recomputed in backward counts once. Integer buffers: ``Float16Module`` leaves
+    them alone, and they are not checkpointed."""
+
+    def __init__(self, config, pg_collection=None):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.register_buffer("routed", torch.zeros(config.num_moe_experts, dtype=torch.int64),
+                             persistent=False)
+        self.register_buffer("assigned", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def _apply_expert_bias(self, routing_map, padding_mask=None):
+        """The expert-bias token counts (Megatron's, without its ``torch.compile`` wrapper:
+        a compile per process, with a C++ compiler on CPU, for one addition; a compiled
+        layer, ``train.compile``, takes it in with the rest). depthmix passes no padding
+        mask."""
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    def routing(self, logits, padding_mask=None):
+        probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                self.routed += routing_map.sum(dim=0)
+                self.assigned += routing_map.shape[0] * self.topk
+        return probs, routing_map
+
+    def take(self) -> torch.Tensor:
+        """``[num_experts + 1]``: the assignments per expert, then those made; zeroes them."""
+        out = torch.cat([self.routed, self.assigned.view(1)])
+        self.routed.zero_()
+        self.assigned.zero_()
+        return out
+
+
+def get_moe_spec(config) -> ModuleSpec:
+    """Megatron's MoE layer spec for local modules, with :class:`ExpertLoadRouter`."""
+    spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts,
+                                           moe_grouped_gemm=False)
+    spec.submodules = dataclasses.replace(spec.submodules, router=ExpertLoadRouter)
+    if config.moe_shared_expert_intermediate_size is None:
+        spec.submodules.shared_experts = None
+    return spec

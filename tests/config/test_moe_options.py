@@ -1,0 +1,93 @@
+"""``model.moe`` and ``parallel.ep``: an impossible expert configuration stops at start-up with
+one line naming the option (exit status 2, nothing built); a dense preset takes experts only
+with a number of them."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from depthmix.config.load import compose_run
+from depthmix.config.schema import ConfigError
+from depthmix.pretrain.preflight import preflight
+
+SP = ["parallel=tp2", "parallel.sequence_parallel=true"]
+BAD = [
+    # (overrides, world size, what the message names)
+    (["model=tiny_moe", "model.moe.num_experts=3", "parallel.ep=2"], 2,
+     "model.moe.num_experts=3 is not divisible by parallel.ep=2"),
+    (["model=tiny_moe", "model.moe.top_k=5"], 1, "model.moe.top_k=5"),
+    (["model=tiny_moe", "parallel.ep=2"], 1, "parallel.ep=2 does not divide"),
+    (["model=tiny_moe", "parallel.ep=2", *SP], 2, "parallel.ep=2 does not divide"),
+    (["model=tiny_moe", "model.moe.capacity_factor=1.5"], 1,
+     "model.moe.capacity_factor=1.5 needs model.moe.dropless=false"),
+    (["model=tiny_moe", "model.moe.dropless=false"], 1, "model.moe.capacity_factor"),
+    (["model=tiny", "model.moe.top_k=3"], 1,
+     "model.moe.top_k=3 is set but model=tiny has no experts"),
+    (["parallel.ep=2"], 2, "parallel.ep=2 needs experts"),
+    (["model=tiny_moe", "model.moe.expert_bias=true"], 1, "model.moe.score_function=sigmoid"),
+    (["model=tiny_moe", "model.moe.top_k=1"], 1, "model.moe.normalize_top_k=false"),
+    (["model=tiny_moe", "model.moe.score_function=sigmoid", "model.moe.normalize_top_k=false"],
+     1, "model.moe.normalize_top_k=false needs"),
+    (["model=tiny_moe", "parallel=tp2", "parallel.sequence_parallel=false"], 2,
+     "parallel.sequence_parallel=true"),
+    (["model=tiny_moe", "model.moe.first_dense_layers=4"], 1, "model.moe.first_dense_layers=4"),
+    (["model=tiny_moe", "model.moe.score_function=sigmod"], 1, "did you mean 'sigmoid'"),
+    (["model=tiny_moe", "model.moe.aux_loss_scope=global"], 1, "model.moe.aux_loss_scope"),
+    (["model=tiny_moe", "model.moe.z_loss_coeff=-1"], 1, "model.moe.z_loss_coeff=-1"),
+    (["model=tiny_moe", "parallel.ep=2"], 2, "expert parallelism is not available yet"),
+    (["model=tiny_moe", "train.compile=true"], 1, "train.compile=true with experts"),
+    (["model=tiny_moe", "train.cuda_graphs=true"], 1, "train.cuda_graphs=true with experts"),
+]
+
+
+@pytest.mark.parametrize("overrides, world, message", BAD,
+                         ids=[" ".join(case[0]) + f"-w{case[1]}" for case in BAD])
+def test_bad_expert_option_names_it(overrides, world, message):
+    with pytest.raises(ConfigError) as info:
+        preflight(compose_run(*overrides), world_size=world)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("preset", ["tiny_moe", "kimi_moe_small", "deepseek_moe_small",
+                                    "1p5b_moe"])
+def test_moe_presets_are_valid(preset):
+    run = compose_run(f"model={preset}")
+    preflight(run, world_size=1)
+    assert run.model.experts is not None
+
+
+def test_a_dense_preset_takes_experts_by_their_number():
+    assert compose_run("model=tiny").model.experts is None
+    assert compose_run("model=tiny_moe", "model.moe=null").model.experts is None
+    run = compose_run("model=tiny", "model.moe.num_experts=8", "model.moe.top_k=2")
+    preflight(run, world_size=1)
+    assert (run.model.experts.num_experts, run.model.experts.top_k) == (8, 2)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # at its default value: only the command line shows it was given
+    (["model=tiny", "model.moe.top_k=2"], "model.moe.top_k=2 is set but model=tiny has no"),
+    (["model=tiny_moe", "model.moe.topk=2"], "did you mean 'model.moe.top_k'"),
+])
+def test_cli_exits_2_with_one_line_before_building(monkeypatch, tmp_path, capsys, overrides,
+                                                   message):
+    from depthmix.cli.train import main
+    from depthmix.pretrain import trainer
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a bad option must be refused before anything is built")
+
+    monkeypatch.setattr(trainer, "init_distributed", forbidden)
+    monkeypatch.setattr(trainer, "build_model", forbidden)
+    monkeypatch.setenv("DEPTHMIX_RUN_KEY", "test")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["depthmix-train", "logger=none", *overrides])
+    try:
+        status = main()
+    except SystemExit as e:
+        status = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and message in err[0], err
