@@ -98,14 +98,14 @@ def test_layout_matches_single_rank(mixer, layout, layout_results):
 def test_bytes_sent_follow_the_plan(mixer, layout, layout_results):
     """Payload bytes each chunk packed = the transport's per-transition formula."""
     from depthmix.megatron_ext.config import to_transformer_config
-    from depthmix.mixers import get_mixer
+    from depthmix.mixers import mixer_of
     from depthmix.planning.pipeline import PipelineLayout, geometry_of
 
     world, parallel = LAYOUTS[layout]
     run = make_run(mixer, **parallel)
     config = to_transformer_config(run)
     p = run.parallel
-    geo = geometry_of(get_mixer(mixer).plan, config,
+    geo = geometry_of(mixer_of(run).plan, config,
                       PipelineLayout(config.num_layers, p.pp, p.vp or 1), p.tp)
     steps, micro = 3, run.train.micro_batch_size
     num_micro = run.train.global_batch_size // micro
