@@ -303,6 +303,30 @@ def test_a_bias_tensor_is_refused_naming_it(hf_dirs, tmp_path, capsys):
     assert "model.layers.2.self_attn.q_proj.bias" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("first,freq", [(0, 1), (1, 1), (1, 2), (0, 3), (2, 2), (5, 1)])
+def test_expert_layers_survive_export_then_import(first, freq):
+    """``model.moe``'s layers -> ``decoder_sparse_step`` / ``mlp_only_layers`` -> the same
+    ``model.moe``; ``config.json`` as transformers 4 wrote it (``num_experts``) and as 5
+    writes it (``num_local_experts``)."""
+    from depthmix.config.schema import ModelConfig, MoEConfig
+    from depthmix.hf.architecture import hf_config, hf_moe_layers, model_config
+
+    model = ModelConfig(num_layers=6, head_dim=32, moe=MoEConfig(
+        num_experts=8, top_k=2, ffn_hidden_size=64, first_dense_layers=first, layer_freq=freq,
+        normalize_top_k=False, aux_loss_coeff=1e-3))
+    config = hf_config(model)
+    assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 8
+    assert hf_moe_layers(config) == [i for i in range(6) if model.moe.is_moe_layer(i)]
+    for v5 in (False, True):
+        if v5:
+            config["num_local_experts"] = config.pop("num_experts")
+        back = model_config(config, model.name)
+        assert [back.moe.is_moe_layer(i) for i in range(6)] == \
+            [model.moe.is_moe_layer(i) for i in range(6)]
+        assert (back.moe.num_experts, back.moe.top_k, back.moe.ffn_hidden_size,
+                back.moe.normalize_top_k, back.moe.aux_loss_coeff) == (8, 2, 64, False, 1e-3)
+
+
 def test_prepare_refuses_a_missing_folder(tmp_path):
     """``prepare()`` called from Python (the CLI checks the path before it)."""
     from depthmix.config.schema import ConfigError
