@@ -21,12 +21,14 @@ from depthmix.config.validate import PRECISIONS
 
 def build_parser() -> argparse.ArgumentParser:
     p = argument_parser(
-        "depthmix-export", "Export a depthmix checkpoint (vanilla or depth_attn, any TP/PP "
-                           "layout) to a Hugging Face transformers model directory.")
+        "depthmix-export", "Export a depthmix checkpoint (vanilla or depth_attn, with or "
+                           "without experts, any TP/PP layout) to a Hugging Face "
+                           "transformers model directory.")
     p.add_argument("checkpoint", help="a save directory (its latest checkpoint), one iter_* "
                                       "dir, or a training run's or an import's output dir")
     p.add_argument("out_dir", help="directory to write config.json, model.safetensors, "
-                                   "tokenizer files (and remote code for depth_attn)")
+                                   "tokenizer files (and remote code for depth_attn or a "
+                                   "router Qwen3-MoE lacks)")
     p.add_argument("--dtype", choices=PRECISIONS, default=None,
                    help="weights dtype (default: the training precision)")
     p.add_argument("--tokenizer", default=None,

@@ -30,10 +30,11 @@ PROG = "depthmix-import"
 def build_parser() -> argparse.ArgumentParser:
     p = argument_parser(
         PROG, "Import a Hugging Face causal-LM folder (safetensors + config.json + tokenizer; "
-              "Qwen3, or Llama-family without RoPE scaling, tied embeddings or not) as a "
-              "depthmix checkpoint loadable at any TP/PP/VP/DP layout, with a model preset "
-              "and the tokenizer. Architectures that do not map (biases, RoPE scaling, sliding "
-              "windows, mixture-of-experts) are refused, naming the config.json field.",
+              "Qwen3, Qwen3-MoE, or Llama-family without RoPE scaling, tied embeddings or not) "
+              "as a depthmix checkpoint loadable at any TP/PP/VP/DP layout, with a model "
+              "preset and the tokenizer. Architectures that do not map (biases, RoPE scaling, "
+              "sliding windows, experts outside Qwen3-MoE) are refused, naming the "
+              "config.json field.",
         f"example: {PROG} hf/Qwen3-0.6B imported/qwen3_0p6b, then "
         "depthmix-eval eval.checkpoint=imported/qwen3_0p6b/checkpoints ... (the command "
         "prints the next commands; docs/checkpoints.md)")

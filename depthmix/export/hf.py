@@ -2,20 +2,23 @@
 :mod:`depthmix.cli.export`).
 
 * ``mixer=vanilla`` -> ``Qwen3ForCausalLM`` (``model_type: qwen3``; ``LlamaForCausalLM``
-  with ``model.qk_layernorm=false``), loaded by ``AutoModelForCausalLM.from_pretrained(out)``
-  with no custom code; tied embeddings (``model.tie_embeddings``) stay tied;
-* ``mixer=depth_attn`` (no extra parameters) -> the same weights, ``model_type:
-  depthmix_qwen3`` and ``modeling_depthmix_qwen3.py`` beside them, loaded with
+  with ``model.qk_layernorm=false``; ``Qwen3MoeForCausalLM`` with experts whose router
+  Qwen3-MoE computes: softmax top-k, no expert bias, scale or shared expert), loaded by
+  ``AutoModelForCausalLM.from_pretrained(out)`` with no custom code; tied embeddings
+  (``model.tie_embeddings``) stay tied;
+* ``mixer=depth_attn``, and ``mixer=vanilla`` with a router Qwen3-MoE lacks (sigmoid
+  scores, DeepSeek-V3's expert bias, a routed scale, a shared expert) -> the same weights,
+  ``model_type: depthmix_qwen3`` and ``modeling_depthmix_qwen3.py`` beside them, loaded with
   ``trust_remote_code=True`` (``auto_map`` in ``config.json``);
 * any other mixer is refused, naming it, until its modeling code exists.
 
 The checkpoint may have been saved at any TP/PP/VP layout (``load_model`` reshards). Weights
 map from Megatron's names as :mod:`depthmix.hf.weights` says (fused ``linear_qkv`` and SwiGLU
-``linear_fc1`` split; the embedding and output layer keep the real vocabulary,
-``model.vocab_size`` rows, so the exported logits are ours with the padded columns
-dropped). The directory also holds the tokenizer (``tokenizer.json`` plus
-``tokenizer_config.json`` naming its special tokens) when the checkpoint carries one or
-``--tokenizer`` names one.
+``linear_fc1`` split, experts one by one; the embedding and output layer keep the real
+vocabulary, ``model.vocab_size`` rows, so the exported logits are ours with the padded
+columns dropped). Experts export dropless, as ``load_model`` runs them. The directory also
+holds the tokenizer (``tokenizer.json`` plus ``tokenizer_config.json`` naming its special
+tokens) when the checkpoint carries one or ``--tokenizer`` names one.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from depthmix.config.schema import ConfigError
 from depthmix.config.validate import PRECISIONS
 from depthmix.hf import architecture
+from depthmix.hf.names import EXPERT_BIAS, HF_EXPERT_BIAS
 from depthmix.hf.weights import to_hf
 from depthmix.runtime import precision
 
@@ -57,12 +61,20 @@ def check_exportable(run) -> None:
     if m.n_loops != 1:
         raise ConfigError(f"model.n_loops={m.n_loops}: looped models have no Hugging Face "
                           "modeling code yet")
-    if m.experts is not None:
-        raise ConfigError(f"model.moe.num_experts={m.experts.num_experts}: models with experts "
-                          "have no Hugging Face export yet (Qwen3-MoE comes next)")
+    if m.experts is not None and not m.qk_layernorm:
+        raise ConfigError("model.qk_layernorm=false with experts: exported as Llama, which "
+                          "has no experts")
     if mixer.name == "depth_attn" and mixer.mixed_state != "value":
         raise ConfigError(f"mixer.mixed_state={mixer.mixed_state}: the exported modeling code "
                           "implements mixed_state=value only")
+
+
+def needs_remote_code(run) -> bool:
+    """Whether the export is ``depthmix_qwen3`` (Depth-Attention, or a router Qwen3-MoE
+    lacks) rather than a ``transformers`` class."""
+    experts = run.model.experts
+    return run.mixer.name == "depth_attn" or (
+        experts is not None and architecture.qwen3_moe_mismatch(experts) is not None)
 
 
 def hf_config(run, dtype: torch.dtype, special: Dict[str, Optional[int]]) -> dict:
@@ -72,14 +84,22 @@ def hf_config(run, dtype: torch.dtype, special: Dict[str, Optional[int]]) -> dic
         "dtype": str(dtype).replace("torch.", ""),
         **special,
     }
-    if run.mixer.name == "depth_attn":
+    if needs_remote_code(run):
         name = REMOTE_CODE[:-3]
         config.update(
             architectures=["DepthMixQwen3ForCausalLM"], model_type="depthmix_qwen3",
             auto_map={"AutoConfig": f"{name}.DepthMixQwen3Config",
                       "AutoModelForCausalLM": f"{name}.DepthMixQwen3ForCausalLM"},
-            depth_attn_stride=run.mixer.stride, depth_attn_source_mode=run.mixer.source_mode,
-            depth_attn_mix_rule=run.mixer.mix_rule)
+            depth_attn=run.mixer.name == "depth_attn")
+        if run.mixer.name == "depth_attn":
+            config.update(depth_attn_stride=run.mixer.stride,
+                          depth_attn_source_mode=run.mixer.source_mode,
+                          depth_attn_mix_rule=run.mixer.mix_rule)
+        if run.model.experts is not None:
+            e = run.model.experts
+            config.update(moe_score_function=e.score_function, moe_expert_bias=e.expert_bias,
+                          moe_routed_scaling_factor=e.routed_scaling_factor,
+                          moe_shared_expert_intermediate_size=e.shared_expert_ffn_hidden_size)
     return config
 
 
@@ -87,6 +107,8 @@ def hf_state_dict(model, run) -> Dict[str, torch.Tensor]:
     """Our single-rank model's weights under Hugging Face's names (every parameter used
     once; :func:`depthmix.hf.weights.to_hf`)."""
     params = {k: v.detach() for k, v in model.named_parameters()}
+    params.update({k: v.detach() for k, v in model.named_buffers()
+                   if k.endswith(EXPERT_BIAS)})  # the routing's, not a weight
     try:
         return to_hf(params, run.model)
     except ConfigError as e:  # e.g. a mixer's own parameters: exporting would drop them
@@ -140,12 +162,13 @@ def export(checkpoint: str, out_dir: str, dtype: Optional[str] = None,
     else:
         log.warning("depthmix-export: %s carries no tokenizer and --tokenizer is not given; "
                     "exporting the model without tokenizer files", found)
-    weights = {k: v.to(torch_dtype).contiguous() for k, v in
-               hf_state_dict(loaded.model, run).items()}
+    # the expert bias stays fp32, as the router keeps and adds it (top-k choices in any dtype)
+    weights = {k: v.to(torch.float32 if k.endswith(HF_EXPERT_BIAS) else torch_dtype)
+               .contiguous() for k, v in hf_state_dict(loaded.model, run).items()}
     save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config(run, torch_dtype, special), f, indent=2)
-    if run.mixer.name == "depth_attn":
+    if needs_remote_code(run):
         shutil.copyfile(os.path.join(os.path.dirname(__file__), REMOTE_CODE),
                         os.path.join(out_dir, REMOTE_CODE))
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:

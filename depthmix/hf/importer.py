@@ -189,7 +189,7 @@ def _write_checkpoint(job: ImportJob) -> str:
     from safetensors import safe_open
 
     from depthmix.checkpoint.distributed import save
-    from depthmix.hf.names import HF_EMBEDDING, HF_OUTPUT
+    from depthmix.hf.names import HF_EMBEDDING, HF_OUTPUT, is_packed
     from depthmix.hf.weights import from_hf
     from depthmix.megatron_ext.config import to_transformer_config
     from depthmix.megatron_ext.model import build_chunk
@@ -219,7 +219,7 @@ def _write_checkpoint(job: ImportJob) -> str:
                               f"differs from {HF_EMBEDDING}")
         params = dict(model.named_parameters())
         with torch.no_grad():  # names and shapes were checked by prepare()
-            for ours, tensor in from_hf(get, job.model):
+            for ours, tensor in from_hf(get, job.model, packed=is_packed(job.weight_files)):
                 params[ours].copy_(tensor.to(dtype))
         opened.clear()
         size = sum(p.numel() * p.element_size() for p in params.values())

@@ -4,11 +4,13 @@ the bare ``DepthMixModel``, no training wrapper, no random initialisation before
 The checkpoint may have been saved at any TP/PP/VP/DP layout: tensor keys use global
 layer indices and Megatron's distributed checkpointing reshards on load. The model and
 mixer configuration come from the checkpoint's own record (``depthmix.json``), so the
-caller needs nothing but the path.
+caller needs nothing but the path. Experts are loaded dropless whatever capacity they were
+trained with (as Hugging Face's MoE models run): every token reaches its top-k experts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,6 +65,10 @@ def load_model(path: str, impl: str = "torch", dtype: Optional[torch.dtype] = No
     found = find_checkpoint(path, option)
     meta = read_meta(found)
     run = run_from_record(meta["record"], impl=impl)
+    if run.model.experts is not None and not run.model.experts.dropless:
+        # every token reaches its experts: a capacity counts the tokens of one forward, so a
+        # cached decoding step (one token) would drop otherwise than the whole sequence
+        run.model.moe = dataclasses.replace(run.model.moe, dropless=True, capacity_factor=None)
     init_distributed(run)
     config = to_transformer_config(run)
     config.perform_initialization = False  # every weight comes from the checkpoint

@@ -195,6 +195,82 @@ def test_other_mixers_are_refused_before_loading(tmp_path, capsys, mixer, option
     assert not out.exists()
 
 
+ROUTERS = {
+    # Switch / GShard / Qwen3-MoE: softmax top-2, renormalised; experts after the first layer
+    "softmax": dict(num_experts=4, top_k=2, ffn_hidden_size=48, first_dense_layers=1),
+    # DeepSeek-V3 / Kimi K2: sigmoid top-3 chosen with the expert bias (moved 0.05 by the one
+    # training step, so it decides choices), scaled by 2.5, a shared expert; every 2nd layer
+    "sigmoid_bias_shared": dict(num_experts=8, top_k=3, ffn_hidden_size=32,
+                                shared_expert_ffn_hidden_size=40, layer_freq=2,
+                                score_function="sigmoid", expert_bias=True,
+                                expert_bias_update_rate=0.05, routed_scaling_factor=2.5,
+                                aux_loss_coeff=0.0),
+    # trained with a capacity (tokens dropped); exported, as loaded, dropless
+    "softmax_capacity": dict(num_experts=4, top_k=2, ffn_hidden_size=48, dropless=False,
+                             capacity_factor=1.0),
+}
+EXPERT_CASES = [pytest.param(mixer, router, id=f"{mixer}-{router}",
+                             marks=() if mixer == "depth_attn" and router != "softmax_capacity"
+                             else pytest.mark.full)
+                for mixer in ("depth_attn", "vanilla") for router in ROUTERS]
+
+
+def _wrong_routing(hf) -> None:
+    """What a modeling file that routed wrongly would compute: the expert bias left out of
+    the choice, or the top-k weights renormalised the other way."""
+    for module in hf.modules():
+        if hasattr(module, "e_score_correction_bias"):  # ours
+            if module.e_score_correction_bias is not None:
+                module.e_score_correction_bias.zero_()
+            else:
+                module.normalize = not module.normalize
+        elif hasattr(module, "norm_topk_prob"):  # Qwen3MoeTopKRouter
+            module.norm_topk_prob = not module.norm_topk_prob
+
+
+@pytest.mark.parametrize("mixer,router", EXPERT_CASES)
+def test_experts_export_with_our_routing(megatron_single, tokenizer_file, tmp_path, mixer,
+                                         router):
+    """Experts under a depth mixer (remote code) or the plain residual (Qwen3-MoE without
+    custom code when its router is Qwen3-MoE's): logits and greedy generation are ours, and
+    a wrong routing would not be."""
+    from depthmix.config.schema import MoEConfig
+
+    run = make_run(mixer)
+    run.model.moe = MoEConfig(**ROUTERS[router])
+    ckpt_dir = train_and_save(run, str(tmp_path / "ckpt"), tokenizer_file)
+    ours, hf = ours_and_hf(ckpt_dir, str(tmp_path / "hf"), trust_remote_code=True)
+    plain = mixer == "vanilla" and router != "sigmoid_bias_shared"
+    assert type(hf).__name__ == ("Qwen3MoeForCausalLM" if plain else "DepthMixQwen3ForCausalLM")
+    if router == "sigmoid_bias_shared":
+        bias = [b for n, b in ours.model.named_buffers() if n.endswith("router.expert_bias")]
+        assert len(bias) == 2 and all(b.abs().max() > 0.04 for b in bias)
+    ids = assert_same_logits(ours, hf)
+    prompt = ids[:, :5]
+    mine = generate(ours.model, prompt, max_new_tokens=6, vocab_size=VOCAB)
+    assert torch.equal(hf.generate(prompt, max_new_tokens=6, do_sample=False,
+                                   min_new_tokens=6), mine)
+    with torch.no_grad():
+        _wrong_routing(hf)
+        assert (hf(ids).logits - ours.model(ids)[..., :VOCAB]).abs().max() > 1e-2
+
+
+def test_experts_without_qk_norm_are_refused(tmp_path, capsys):
+    """Exported as Llama, which has no experts."""
+    from depthmix.config.schema import MoEConfig
+
+    run = tiny_run("vanilla")
+    run.model.qk_layernorm = False
+    run.model.moe = MoEConfig(**ROUTERS["softmax"])
+    ckpt_dir = tmp_path / "iter_0000001"
+    ckpt_dir.mkdir()
+    meta = {"format_version": 1, "step": 1, "record": record(run)}
+    (ckpt_dir / "depthmix.json").write_text(json.dumps(meta))
+    assert export_main([str(ckpt_dir), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "model.qk_layernorm=false with experts" in err and len(err.strip().splitlines()) == 1
+
+
 def _train_tp2(root, tokenizer):
     return train_and_save(make_run(tp=2), root, tokenizer)
 

@@ -1,7 +1,9 @@
 """Hugging Face models built here from random weights (no hub): a Qwen3 (head_dim != hidden /
-heads, RoPE base 5e4), a Llama (no QK-norm, RoPE base 5e5) and a Qwen3 with tied embeddings,
-all tiny, fp32, with a byte-level BPE tokenizer; a small token dataset; transformers' loss
-over our evaluation windows."""
+heads, RoPE base 5e4), a Llama (no QK-norm, RoPE base 5e5), a Qwen3 with tied embeddings and
+two Qwen3-MoE (experts on every second layer with renormalised top-2 weights, untied; experts
+on all layers but the first with softmax-probability weights, tied), all tiny, fp32, with a
+byte-level BPE tokenizer; a small token dataset; transformers' loss over our evaluation
+windows."""
 
 import os
 
@@ -17,14 +19,29 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
              initializer_range=0.2, rms_norm_eps=1e-6)
 """``initializer_range`` 0.2 (and random norm gains): logits spread over several units, so
 greedy decoding has no near-ties to break differently."""
-KINDS = ("qwen3", "llama", "qwen3_tied")
+DENSE_KINDS = ("qwen3", "llama", "qwen3_tied")
+MOE_KINDS = ("qwen3_moe", "qwen3_moe_tied")
+KINDS = DENSE_KINDS + MOE_KINDS
+MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         decoder_sparse_step=2, norm_topk_prob=True),
+       "qwen3_moe_tied": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                              mlp_only_layers=[0], norm_topk_prob=False)}
+"""The routers keep transformers' init (std ``initializer_range``): router logits spread
+over about a unit, so no token's k-th and (k+1)-th experts tie within rounding."""
 
 
 def hf_model(kind: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(KINDS.index(kind))
-    if kind == "llama":
+    if kind in MOE:
+        tied = kind == "qwen3_moe_tied"
+        config = Qwen3MoeConfig(head_dim=16 if tied else 24, tie_word_embeddings=tied,
+                                rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+                                router_aux_loss_coef=0.01, **MOE[kind], **SHAPE)
+        model = Qwen3MoeForCausalLM(config)
+    elif kind == "llama":
         config = LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 5e5},
                              **SHAPE)
         model = LlamaForCausalLM(config)

@@ -1,9 +1,10 @@
-"""depthmix-import on one process: Hugging Face Qwen3 / Llama / tied-embedding models (built
-here from random weights) become checkpoints whose logits, greedy generation and
-``depthmix-eval`` loss are transformers'; import -> export gives the original tensors bit
-for bit; what does not map is refused at once, naming the field. The import's output
-directory is itself the checkpoint every command takes (here: its own path, not its
-``checkpoints/``). (The other layouts: ``test_import_layouts.py``.)"""
+"""depthmix-import on one process: Hugging Face Qwen3 / Llama / tied-embedding / Qwen3-MoE
+models (built here from random weights) become checkpoints whose logits, greedy generation
+and ``depthmix-eval`` loss are transformers'; import -> export gives the original tensors bit
+for bit and loads as the original class with its logits; what does not map is refused at
+once, naming the field. The import's output directory is itself the checkpoint every
+command takes (here: its own path, not its ``checkpoints/``). (The other layouts:
+``test_import_layouts.py``.)"""
 
 import dataclasses
 import json
@@ -15,7 +16,9 @@ import time
 import pytest
 import torch
 
-from hf_models import KINDS, SEQ, VOCAB, checkpoints, hf_window_loss
+from hf_models import (
+    KINDS, MOE, MOE_KINDS, SEQ, VOCAB, checkpoints, hf_model, hf_window_loss,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,8 +78,9 @@ def test_eval_loss_equals_transformers_over_the_same_windows(kind, imported, hf,
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_import_then_export_gives_the_original_tensors(kind, imported, hf_dirs, tmp_path):
+def test_import_then_export_gives_the_original_tensors(kind, imported, hf_dirs, hf, tmp_path):
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from depthmix.cli.export import main as export
 
@@ -87,8 +91,67 @@ def test_import_then_export_gives_the_original_tensors(kind, imported, hf_dirs, 
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
     config = json.load(open(tmp_path / "hf" / "config.json"))
-    assert config["model_type"] == ("llama" if kind == "llama" else "qwen3")
-    assert config["tie_word_embeddings"] is (kind == "qwen3_tied")
+    source = json.load(open(os.path.join(hf_dirs[kind], "config.json")))
+    assert config["model_type"] == source["model_type"]
+    assert config["tie_word_embeddings"] is kind.endswith("_tied")
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    assert type(again) is type(hf[kind])  # e.g. Qwen3MoeForCausalLM, no custom code
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(again.eval()(x).logits, hf[kind](x).logits)
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_experts_map_onto_the_layers_and_routers_of_model_moe(kind, imported, hf_dirs):
+    """The preset's ``model.moe`` places the experts where Qwen3-MoE has them and routes as
+    its config says."""
+    from depthmix.checkpoint.store import find_checkpoint, read_meta
+
+    source = json.load(open(os.path.join(hf_dirs[kind], "config.json")))
+    moe = read_meta(find_checkpoint(checkpoints(imported[kind])))["record"]["model"]["moe"]
+    assert (moe["num_experts"], moe["top_k"], moe["ffn_hidden_size"]) == (
+        MOE[kind]["num_experts"], MOE[kind]["num_experts_per_tok"],
+        MOE[kind]["moe_intermediate_size"])
+    assert moe["normalize_top_k"] is MOE[kind]["norm_topk_prob"]
+    assert (moe["score_function"], moe["shared_expert_ffn_hidden_size"]) == ("softmax", 0)
+    assert moe["aux_loss_coeff"] == source["router_aux_loss_coef"] == 0.01
+    hf_layers = [i for i, layer in enumerate(hf_model(kind).model.layers)
+                 if type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock"]
+    ours = [i for i in range(4) if (i - moe["first_dense_layers"]) >= 0
+            and (i - moe["first_dense_layers"]) % moe["layer_freq"] == 0]
+    assert ours == hf_layers == ([1, 3] if kind == "qwen3_moe" else [1, 2, 3])
+
+
+def test_packed_experts_import_as_the_per_expert_file(imported, hf_dirs, tmp_path,
+                                                      megatron_single):
+    """A file holding each layer's experts as 3-D tensors (``mlp.experts.gate_up_proj
+    [E, 2f, d]``, ``down_proj [E, d, f]``, transformers 5's module layout) imports to the
+    same weights."""
+    from safetensors.torch import load_file, save_file
+
+    from depthmix.cli.importer import main
+    from depthmix.inference.load import load_model
+
+    source = tmp_path / "packed"
+    source.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        os.symlink(os.path.join(hf_dirs["qwen3_moe"], name), source / name)
+    weights = load_file(os.path.join(hf_dirs["qwen3_moe"], "model.safetensors"))
+    for layer in (1, 3):
+        pre = f"model.layers.{layer}.mlp.experts."
+        per = [{p: weights.pop(f"{pre}{e}.{p}_proj.weight") for p in ("gate", "up", "down")}
+               for e in range(4)]
+        weights[pre + "gate_up_proj"] = torch.stack([torch.cat([w["gate"], w["up"]])
+                                                     for w in per])
+        weights[pre + "down_proj"] = torch.stack([w["down"] for w in per])
+    save_file(weights, str(source / "model.safetensors"))
+    assert main([str(source), str(tmp_path / "out"), "--seq-length", str(SEQ)]) == 0
+    packed = load_model(str(tmp_path / "out")).model.state_dict()
+    per_expert = load_model(imported["qwen3_moe"]).model.state_dict()
+    weights = [k for k in per_expert if not k.endswith("_extra_state")]
+    assert any("local_experts.3.linear_fc1" in k for k in weights)
+    for key in weights:
+        assert torch.equal(packed[key], per_expert[key]), key
 
 
 def test_the_output_is_a_checkpoint_a_preset_and_the_tokenizer(imported, hf_dirs, tmp_path):
@@ -181,12 +244,24 @@ REFUSED = {  # config.json change -> the field named
                   "rope_parameters.rope_type=yarn"),
     "attention_bias": ({"attention_bias": True}, "attention_bias=true"),
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias=true"),
-    "moe": ({"model_type": "qwen3_moe", "num_experts": 8}, "num_experts=8"),
+    "moe": ({"num_local_experts": 8}, "num_local_experts=8"),  # a Mixtral field on Llama
     "sliding": ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window=true"),
     "qwen2": ({"model_type": "qwen2"}, "model_type=qwen2"),
     "gelu": ({"hidden_act": "gelu"}, "hidden_act=gelu"),
     "head_dim": ({"head_dim": 32}, "head_dim=32"),  # the weights have 16
 }
+
+
+MOE_REFUSED = {  # config.json change of the Qwen3-MoE model -> the field named
+    "shared_expert": ({"shared_expert_intermediate_size": 64},
+                      "shared_expert_intermediate_size=64"),
+    "layers": ({"decoder_sparse_step": 1, "mlp_only_layers": [2]}, "mlp_only_layers=[2]"),
+    "top_k": ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+    "no_experts": ({"mlp_only_layers": [1, 3]}, "no layer has experts"),
+    "moe_width": ({"moe_intermediate_size": 40}, "moe_intermediate_size=40"),  # weights: 32
+}
+CASES = [("llama", case, *REFUSED[case]) for case in REFUSED] + [
+    ("qwen3_moe", case, *MOE_REFUSED[case]) for case in MOE_REFUSED]
 
 
 def _edited(source: str, dest, changes: dict) -> str:
@@ -199,12 +274,12 @@ def _edited(source: str, dest, changes: dict) -> str:
     return str(dest)
 
 
-@pytest.mark.parametrize("case", list(REFUSED))
-def test_what_does_not_map_is_refused_naming_the_field(case, hf_dirs, tmp_path, capsys):
+@pytest.mark.parametrize("kind,case,changes,field", CASES, ids=[c[1] for c in CASES])
+def test_what_does_not_map_is_refused_naming_the_field(kind, case, changes, field, hf_dirs,
+                                                       tmp_path, capsys):
     from depthmix.cli.importer import main
 
-    changes, field = REFUSED[case]
-    source = _edited(hf_dirs["llama"], tmp_path / "src", changes)
+    source = _edited(hf_dirs[kind], tmp_path / "src", changes)
     assert main([source, str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert field in err and len(err.strip().splitlines()) == 1, err
@@ -226,6 +301,30 @@ def test_a_bias_tensor_is_refused_naming_it(hf_dirs, tmp_path, capsys):
     save_file(weights, str(source / "model.safetensors"))
     assert main([str(source), str(tmp_path / "out")]) == 2
     assert "model.layers.2.self_attn.q_proj.bias" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("first,freq", [(0, 1), (1, 1), (1, 2), (0, 3), (2, 2), (5, 1)])
+def test_expert_layers_survive_export_then_import(first, freq):
+    """``model.moe``'s layers -> ``decoder_sparse_step`` / ``mlp_only_layers`` -> the same
+    ``model.moe``; ``config.json`` as transformers 4 wrote it (``num_experts``) and as 5
+    writes it (``num_local_experts``)."""
+    from depthmix.config.schema import ModelConfig, MoEConfig
+    from depthmix.hf.architecture import hf_config, hf_moe_layers, model_config
+
+    model = ModelConfig(num_layers=6, head_dim=32, moe=MoEConfig(
+        num_experts=8, top_k=2, ffn_hidden_size=64, first_dense_layers=first, layer_freq=freq,
+        normalize_top_k=False, aux_loss_coeff=1e-3))
+    config = hf_config(model)
+    assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 8
+    assert hf_moe_layers(config) == [i for i in range(6) if model.moe.is_moe_layer(i)]
+    for v5 in (False, True):
+        if v5:
+            config["num_local_experts"] = config.pop("num_experts")
+        back = model_config(config, model.name)
+        assert [back.moe.is_moe_layer(i) for i in range(6)] == \
+            [model.moe.is_moe_layer(i) for i in range(6)]
+        assert (back.moe.num_experts, back.moe.top_k, back.moe.ffn_hidden_size,
+                back.moe.normalize_top_k, back.moe.aux_loss_coeff) == (8, 2, 64, False, 1e-3)
 
 
 def test_prepare_refuses_a_missing_folder(tmp_path):

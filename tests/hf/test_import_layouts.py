@@ -2,7 +2,8 @@
 group of 4 gloo processes:
 
 * each import's logits (the last stage's output layer, gathered over TP) and eval loss
-  equal transformers' (fp32, 1e-5);
+  equal transformers' (fp32, 1e-5); the Qwen3-MoE import at TP2 x PP2 (experts with
+  sequence parallelism), every layout of both Qwen3-MoE imports in the full lane;
 * ``depthmix-eval`` at TP2 x PP2 holds the weights and nothing else: measured as the bytes
   of every live tensor the evaluator added (no DDP gradient buffer, no main grads), against
   today's training-built model evaluated alike (same loss);
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from depthmix.testing import SyntheticData, assert_same_training, spawn, tiny_run
-from hf_models import KINDS, SEQ, VOCAB, checkpoints, hf_window_loss
+from hf_models import DENSE_KINDS, MOE_KINDS, SEQ, VOCAB, checkpoints, hf_window_loss
 
 pytestmark = pytest.mark.multiproc
 
@@ -69,6 +70,7 @@ def _logits_and_loss(ckpt: str, parallel: dict):
     run = run_from_record(read_meta(path)["record"], impl="torch")
     for key, value in parallel.items():
         setattr(run.parallel, key, value)
+    run.parallel.sequence_parallel = run.model.experts is not None and run.parallel.tp > 1
     topo = init_distributed(run)
     model = build_chunks(run, mixer_of(run), to_transformer_config(run), topo)
     load(path, run=run, model=model, topo=topo, weights_only=True)
@@ -174,10 +176,16 @@ def _train_tied(destroy: bool = True, **parallel) -> dict:
     return result
 
 
+def _at_layouts(imported: dict, layouts: dict) -> dict:
+    """kind -> layout name -> (logits, loss), for ``layouts``: kind -> {name: parallel}."""
+    return {kind: {name: _logits_and_loss(checkpoints(imported[kind]), parallel)
+                   for name, parallel in of_kind.items()} for kind, of_kind in layouts.items()}
+
+
 def _everything(imported: dict, dataset: str, tmp: str) -> dict:
     """One rank of the 4-process group."""
-    out = {"layouts": {kind: {name: _logits_and_loss(checkpoints(imported[kind]), parallel)
-                              for name, parallel in LAYOUTS.items()} for kind in KINDS}}
+    out = {"layouts": _at_layouts(imported, {kind: LAYOUTS for kind in DENSE_KINDS}
+                                  | {"qwen3_moe": {"tp2_pp2": LAYOUTS["tp2_pp2"]}})}
     out["lean"] = _lean_evaluation(checkpoints(imported["qwen3"]), dataset, tmp)
     out["attnres"] = _continue_with_attnres(imported["qwen3"], "qwen3")
     out["tied"] = {name: _train_tied(**parallel) for name, parallel in
@@ -199,16 +207,35 @@ def hf(hf_dirs):
             for k, p in hf_dirs.items()}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("kind", KINDS)
-def test_logits_and_loss_equal_transformers_at_every_layout(kind, layout, group, hf):
-    logits, loss = group["layouts"][kind][layout]
+def assert_transformers(result, model) -> None:
+    logits, loss = result
     b = batch()
     with torch.no_grad():
-        theirs = hf[kind](b["tokens"]).logits
+        theirs = model(b["tokens"]).logits
     torch.testing.assert_close(logits, theirs, rtol=0, atol=1e-5)
     ce = torch.nn.functional.cross_entropy(theirs.reshape(-1, VOCAB), b["labels"].reshape(-1))
     assert loss == pytest.approx(ce.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kind", DENSE_KINDS)
+def test_logits_and_loss_equal_transformers_at_every_layout(kind, layout, group, hf):
+    assert_transformers(group["layouts"][kind][layout], hf[kind])
+
+
+def test_experts_at_tp2_pp2_equal_transformers(group, hf):
+    """Megatron's MoE layer under TP2 + sequence parallelism and PP2: routers and experts
+    resharded from the single-rank import."""
+    assert_transformers(group["layouts"]["qwen3_moe"]["tp2_pp2"], hf["qwen3_moe"])
+
+
+@pytest.mark.full
+def test_experts_equal_transformers_at_every_layout(imported, hf):
+    results = spawn(_at_layouts, 4, (imported, {kind: LAYOUTS for kind in MOE_KINDS}),
+                    timeout=900)[0]
+    for kind in MOE_KINDS:
+        for layout in LAYOUTS:
+            assert_transformers(results[kind][layout], hf[kind])
 
 
 def test_evaluation_holds_the_weights_and_no_gradient_buffers(group, hf, dataset):
