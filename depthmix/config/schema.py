@@ -400,7 +400,8 @@ class LoggerConfig:
     depth_stats_interval: int = 0
     """Log per-layer depth-mixing weights every N steps (0 = never): one extra no-grad
     forward over the first validation micro-batch(es), heatmaps + scalars to W&B and PNGs
-    under ``<output_dir>/depth_stats``."""
+    under ``<output_dir>/depth_stats``; with experts also the expert-load heatmap (each
+    expert's share of its layer's tokens since the previous one, read at log steps)."""
     progress: bool = True
     """A progress bar on the logging rank when stderr is a terminal (never in batch logs)."""
 
