@@ -12,4 +12,5 @@ from depthmix.pretrain.callbacks.summary import RunSummary
 from depthmix.pretrain.callbacks.wandb import WandbLogger
 
 __all__ = ["Callback", "CheckpointCallback", "ConsoleLogger", "DepthStatsCallback",
-           "ExpertLoadHeatmap", "PreemptionCallback", "ProfilerCallback", "ProgressBar", "RunSummary", "WandbLogger"]
+           "ExpertLoadHeatmap", "PreemptionCallback", "ProfilerCallback", "ProgressBar",
+           "RunSummary", "WandbLogger"]
