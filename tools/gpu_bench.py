@@ -7,9 +7,9 @@ written to one run file (``<date>-<device>-<commit>.json``, see
 ``$OUT`` when set, else ``gpu-run/``). The JSON is rewritten after every row, so a killed
 run keeps what finished; each row runs in a ``try`` that records its error (out of memory
 too) and moves on. A time budget (``--budget-s``, 8 minutes) is shared out over the parts
-(vanilla until 38 % of it, mixers 70 %, kernels 84 %, checks the rest; what a part leaves
-passes on); a row that would not end in time is recorded as skipped, with the command
-that runs it. The parts:
+(vanilla until 38 % of it, mixers 64 %, moe 72 %, kernels 84 %, checks the rest; what a
+part leaves passes on); a row that would not end in time is recorded as skipped, with the
+command that runs it. The parts:
 
 * ``vanilla``: training steps of the ``1p5b`` preset (seq 2048, 48 layers) and the ``3b``
   widths (the most layers of 48/36/24/12 the memory model fits), micro-batch 1/2/4 and 8
@@ -25,6 +25,12 @@ that runs it. The parts:
   (:func:`depthmix.bench.roofline.step_extra_floor`) and whether
   ``step <= vanilla + 1.5 x extra floor``; Hugging Face's Qwen3 (SDPA) eager and compiled
   (regional, as ours) against our vanilla model, forward + backward at the same shape.
+* ``moe``: training steps over experts, the ``1p5b_moe`` preset (16 experts of width 1024,
+  4 a token) at ``--mixer-layers``, eager, at vanilla's best micro-batch: vanilla with
+  grouped-GEMM experts (``model.moe.experts_impl=grouped``, ``torch._grouped_mm``) and with
+  sequential ones (Megatron's ``SequentialMLP``), then Block AttnRes and mHC (the mixers
+  Kimi's and DeepSeek's MoE models carry) grouped, then sequential (:data:`MOE_ROWS`); each
+  mixer row with its extra floor against vanilla over the same experts.
 * ``kernels``: ``moda_attention`` forward + backward at T 4K/16K/64K G 4 D 48 and the MoDA
   paper's rows, ours against SDPA and, where fla-core is installed, its ``parallel_attn``,
   each with its roofline floor.
@@ -50,9 +56,9 @@ with ``carry [".whl"]``::
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; \\
     PYTHONUNBUFFERED=1 python3 tools/gpu_bench.py --part all
 
-Here: ``python tools/gpu_bench.py --smoke`` (tiny shapes, 1-2 steps, every mixer eager;
-what ``tests/tools/test_gpu_bench.py`` runs). Then ``tools/gpu_tables.py`` turns the run
-file into the tables of docs/benchmarks.md.
+Here: ``python tools/gpu_bench.py --smoke`` (tiny shapes, 1-2 steps, every mixer eager,
+the MoE rows at ``tiny_moe``; what ``tests/tools/test_gpu_bench.py`` runs). Then
+``tools/gpu_tables.py`` turns the run file into the tables of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -73,8 +79,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 from depthmix.cli.command import ArgumentParser, DefaultsFormatter
 
-PARTS = ("vanilla", "mixers", "kernels", "checks")
-SHARES = {"vanilla": 0.38, "mixers": 0.70, "kernels": 0.84, "checks": 1.0}
+PARTS = ("vanilla", "mixers", "moe", "kernels", "checks")
+SHARES = {"vanilla": 0.38, "mixers": 0.64, "moe": 0.72, "kernels": 0.84, "checks": 1.0}
 """Where each part's time ends, as a fraction of ``--budget-s`` (cumulative)."""
 
 
@@ -119,6 +125,14 @@ runs every mixer's torch rows."""
 FAST_PATHS = {"train.compile": "auto", "train.cuda_graphs": "false",
               "train.fused_cross_entropy": "auto", "train.fused_optimizer": "auto"}
 """The trainer's fast-path switches and the value that needs no override."""
+MOE_ROWS = (("vanilla", "grouped"), ("vanilla", "sequential"), ("attnres_block", "grouped"),
+            ("mhc", "grouped"), ("attnres_block", "sequential"), ("mhc", "sequential"))
+"""The ``moe`` part's ``(mixer, model.moe.experts_impl)``, in the order they run: vanilla
+over grouped and sequential experts first, then the mixers users pair with experts (Block
+AttnRes in Kimi's models, mHC in DeepSeek's) grouped, then sequential."""
+SMOKE_MOE_ROWS = (("vanilla", "grouped"), ("vanilla", "sequential"),
+                  ("attnres_block", "grouped"), ("mhc", "sequential"))
+"""The smoke run's: each mixer and each experts implementation once."""
 MODE_SETTINGS = {
     "eager": {"train.compile": "false", "train.cuda_graphs": "false"},
     "compiled": {"train.compile": "true", "train.cuda_graphs": "false"},
@@ -126,7 +140,7 @@ MODE_SETTINGS = {
 }
 UNFUSED = {"train.fused_cross_entropy": "false", "train.fused_optimizer": "false"}
 ESTIMATE_S = {"eager": 12.0, "compiled": 35.0, "compiled+graphs": 20.0, "peer": 30.0,
-              "kernel": 8.0}
+              "kernel": 8.0, "moe": 15.0}
 """A row's expected seconds before one of its kind has run (then: the longest seen)."""
 PROFILE_RULES = (
     ("communication", r"nccl|all_?reduce|reduce_?scatter|all_?gather"),
@@ -505,8 +519,10 @@ def measure_step(run, overrides: List[str], mode: str, settings: dict, steps: in
                   "ffn_hidden_size": m.ffn_hidden_size,
                   "num_attention_heads": m.num_attention_heads,
                   "num_query_groups": m.num_query_groups, "kv_channels": m.kv_channels,
-                  "seq_length": m.seq_length, "vocab_size": m.padded_vocab_size},
+                  "seq_length": m.seq_length, "vocab_size": m.padded_vocab_size,
+                  "experts": gpu_runs.experts_of(run)},
         "mixer": mixer, "impl": run.mixer.impl if mixer != "vanilla" else None,
+        "experts_impl": m.experts.experts_impl if m.experts is not None else None,
         "mixer_options": gpu_runs.mixer_options(run) if mixer != "vanilla" else {},
         "mode": mode, "micro_batch": run.train.micro_batch_size,
         "precision": run.train.precision, "settings": settings, "overrides": overrides,
@@ -561,6 +577,7 @@ class Matrix:
             self.mixers = registered_mixers()
             self.mixer_modes = ["eager"]
             self.mixer_shape = ("tiny", 4)
+            self.moe_shape, self.moe_rows = ("tiny_moe", 4), SMOKE_MOE_ROWS
         else:
             self.presets = [("1p5b", [48]), ("3b", [48, 36, 24, 12])]
             self.seq = 2048
@@ -570,6 +587,7 @@ class Matrix:
             self.mixers = registered_mixers()
             self.mixer_modes = ["eager", "compiled"]
             self.mixer_shape = ("1p5b", args.mixer_layers)
+            self.moe_shape, self.moe_rows = ("1p5b_moe", args.mixer_layers), MOE_ROWS
         self.model_options = ()
 
 
@@ -749,6 +767,48 @@ def peers(rf: RunFile, mx: Matrix, trainer, mode: str) -> None:
         return row
 
     rf.row("mixers", f"mixers/peer/hf_qwen3/{mode}", "peer", measure, release=False)
+
+
+def run_moe(rf: RunFile, mx: Matrix, env: dict, options: dict) -> None:
+    """Training steps over experts (:data:`MOE_ROWS`): the ``1p5b_moe`` preset at
+    ``--mixer-layers``, eager (``train.compile=auto`` stays eager with experts), at vanilla's
+    best micro-batch, each mixer row with its extra roofline floor against the vanilla row of
+    the same experts implementation."""
+    from depthmix.bench.roofline import step_extra_floor
+    from depthmix.planning import hardware
+
+    best = best_vanilla(rf.doc)
+    mb = best["micro_batch"] if best else (1 if mx.smoke else 2)
+    rf.doc["parts"]["moe"]["setting"] = {
+        "micro_batch": mb, "from": best["id"] if best else "no vanilla row: the default"}
+    preset, layers = mx.moe_shape
+    shape = Shape(preset, layers, mx.seq, mb, mx.precision)
+    device = hardware.device_named(env["device"]) if env.get("device_kind") else None
+    floor_device = device or hardware.H100
+    vanilla_ms: Dict[str, float] = {}
+    settings = dict(MODE_SETTINGS["eager"])
+    for mixer, experts in mx.moe_rows:
+        def measure(mixer=mixer, experts=experts):
+            impl = "torch" if mx.smoke else None  # on a GPU: auto, Triton where it has kernels
+            run, overrides = compose(shape, mixer, impl, settings, options,
+                                     extra=[f"model.moe.experts_impl={experts}"])
+            why = fits(run, env)
+            if why:
+                raise Skip(why)
+            row = measure_step(run, overrides, "eager", settings, mx.steps, mx.warmup,
+                               profile=True)
+            if mixer == "vanilla":
+                vanilla_ms[experts] = row["ms_per_step"]
+                return row
+            floor = step_extra_floor(run, floor_device)
+            row["extra_floor"] = {**floor.as_dict(), "device_measured": device is not None}
+            row["vanilla_ms"] = base = vanilla_ms.get(experts)
+            if base is not None:
+                row["budget_ms"] = base + 1.5 * floor.seconds * 1e3
+                row["within_floor_budget"] = row["ms_per_step"] <= row["budget_ms"]
+            return row
+
+        rf.row("moe", f"moe/{mixer}/{experts}/eager", "moe", measure)
 
 
 def _tool(name: str):
@@ -935,6 +995,8 @@ def main(argv=None) -> int:
                 run_vanilla(rf, mx, env, options)
             elif part == "mixers":
                 run_mixers(rf, mx, env, options)
+            elif part == "moe":
+                run_moe(rf, mx, env, options)
             elif part == "kernels":
                 run_kernels(rf, mx, env)
             else:

@@ -11,7 +11,8 @@ Each table sits between ``<!-- gpu-table:<run>/<table> -->`` and ``<!-- /gpu-tab
 (``<run>``: the run file's name without ``.json``); only what is between the markers is
 rewritten. A run file without tables in the document gets a section of them (newest
 first) after the ``<!-- gpu-runs -->`` line. Tables: ``environment``, ``vanilla``,
-``mixers``, ``peers``, ``profile``, ``kernels``, ``checks`` (those the run has rows for).
+``mixers``, ``moe``, ``peers``, ``profile``, ``kernels``, ``checks`` (those the run has rows
+for).
 
 ``--calibrate`` fits the step-time model's constants (MFU of large GEMMs,
 ``GEMM_HALF_WORK``, ``STAGE_SECONDS``) per device to the compiled vanilla rows of every run
@@ -39,7 +40,7 @@ RUNS = os.path.join(REPO, "docs", "gpu-runs")
 ANCHOR = "<!-- gpu-runs -->"
 BLOCK = re.compile(r"<!-- gpu-table:(?P<name>[^ ]+) -->\n(?P<body>.*?)<!-- /gpu-table -->",
                    re.S)
-TABLES = ("environment", "vanilla", "mixers", "peers", "profile", "kernels", "checks")
+TABLES = ("environment", "vanilla", "mixers", "moe", "peers", "profile", "kernels", "checks")
 
 
 def parse_args(argv=None):
@@ -146,6 +147,37 @@ def mixers_table(doc: dict) -> str:
                    "extra floor ms", "step ≤ vanilla + 1.5 × floor"], rows)
 
 
+def moe_table(doc: dict) -> str:
+    """The ``moe`` part: each row against vanilla over the same experts and, for grouped
+    experts, against the same mixer over sequential ones."""
+    ok = {(r["mixer"], r.get("experts_impl")): r["ms_per_step"]
+          for r in gpu_runs.step_rows(doc, "moe")}
+    rows = []
+    for r in doc["rows"]:
+        if r["part"] != "moe":
+            continue
+        _, mixer, experts, mode = r["id"].split("/", 3)
+        if r["status"] != "ok":
+            rows.append([mixer, experts, "", mode, "", "", "", "", "", "", _not_ok(r)])
+            continue
+        ms = r["ms_per_step"]
+        base = ok.get(("vanilla", experts)) if mixer != "vanilla" else None
+        sequential = ok.get((mixer, "sequential")) if experts == "grouped" else None
+        floor = (r.get("extra_floor") or {}).get("ms")
+        verdict = ""
+        if "within_floor_budget" in r:
+            verdict = ("pass" if r["within_floor_budget"] else "fail") + \
+                f" (≤ {_f(r['budget_ms'])})"
+        rows.append([mixer, experts, r.get("impl") or "", mode, _f(ms),
+                     _f(ms / base, 2) if base else "–",
+                     _f(ms / sequential, 2) if sequential else "–",
+                     _f(r["tokens_per_s"], 0), _pct(r.get("mfu")),
+                     _f(r.get("peak_memory_gib")), verdict])
+    return _table(["mixer", "experts", "impl", "mode", "ms/step", "× vanilla",
+                   "× sequential", "tokens/s", "MFU", "peak GiB",
+                   "step ≤ vanilla + 1.5 × floor"], rows)
+
+
 def peers_table(doc: dict) -> str:
     rows = []
     for r in doc["rows"]:
@@ -209,7 +241,8 @@ def checks_table(doc: dict) -> str:
 
 
 BUILDERS = {"environment": environment_table, "vanilla": vanilla_table,
-            "mixers": mixers_table, "peers": peers_table, "profile": profile_table,
+            "mixers": mixers_table, "moe": moe_table, "peers": peers_table,
+            "profile": profile_table,
             "kernels": kernels_table, "checks": checks_table}
 
 
@@ -219,6 +252,7 @@ def tables(doc: dict) -> Dict[str, str]:
     has = {"environment": True, "vanilla": "vanilla" in parts,
            "mixers": any(r["part"] == "mixers" and not r["id"].startswith("mixers/peer/")
                          for r in doc["rows"]),
+           "moe": "moe" in parts,
            "peers": any(r["id"].startswith("mixers/peer/") for r in doc["rows"]),
            "profile": any(r.get("profile") for r in doc["rows"]),
            "kernels": "kernels" in parts, "checks": "checks" in parts}

@@ -22,6 +22,9 @@ RECORD_VERSION = 1
 MODEL_FIELDS_FREE = ("name", "init_std")
 """Model options that may differ between a checkpoint and the run that loads it (a preset's
 name is a label; the init std only matters before the first step)."""
+MOE_FIELDS_FREE = ("experts_impl",)
+"""Expert options that do not change the computation: sequential and grouped experts hold
+the same parameters (``depthmix.megatron_ext.grouped_experts``)."""
 MIXER_FIELDS_FREE = ("impl", "two_phase")
 """Mixer options that do not change the computation (a kernel choice, Block AttnRes'
 two-phase inference reads)."""
@@ -46,8 +49,8 @@ def fingerprint(rec: Dict[str, Any]) -> Dict[str, Any]:
     moe = model.pop("moe") or {}
     out = {f"model.{k}": v for k, v in model.items() if k not in MODEL_FIELDS_FREE}
     # experts option by option; a dense model (null, or no experts) is num_experts 0 alone
-    out.update({f"model.moe.{k}": v for k, v in moe.items()} if moe.get("num_experts")
-               else {"model.moe.num_experts": 0})
+    out.update({f"model.moe.{k}": v for k, v in moe.items() if k not in MOE_FIELDS_FREE}
+               if moe.get("num_experts") else {"model.moe.num_experts": 0})
     out.update({f"mixer.{k}": v for k, v in rec["mixer"].items() if k not in MIXER_FIELDS_FREE})
     out["train.precision"] = rec["precision"]
     return out
@@ -82,13 +85,14 @@ def run_from_record(rec: Dict[str, Any], **mixer_overrides) -> RunConfig:
     else default: single rank, TP=PP=1). ``mixer_overrides`` e.g. ``impl="torch"``. The
     record names its mixer; the config resolves that name
     (:func:`~depthmix.config.load.saved_mixer`)."""
-    from depthmix.config.load import saved_mixer
+    from depthmix.config.load import resolve_experts_impl, saved_mixer
 
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     model = {k: v for k, v in rec["model"].items() if k in known}
-    if isinstance(model.get("moe"), dict):
-        model["moe"] = MoEConfig(**model["moe"])
+    if isinstance(model.get("moe"), dict):  # the experts' implementation: this machine's
+        model["moe"] = MoEConfig(**{**model["moe"], "experts_impl": "auto"})
     run = RunConfig(model=ModelConfig(**model))
     run.mixer = saved_mixer(rec["mixer"], run.model, **mixer_overrides)
     run.train.precision = rec["precision"]
+    resolve_experts_impl(run)
     return run

@@ -73,8 +73,61 @@ def resolve(cfg: DictConfig) -> RunConfig:
     if requested != mixer_cfg.impl or requested == "auto":
         log.debug("mixer.impl=%s -> %s (%s)", requested, mixer_cfg.impl, reason)
     name = (cfg.get("run") or {}).get("name")
-    return RunConfig(mixer=mixer_cfg, output_dir=cfg.get("output_dir", "."),
-                     name=None if name is None else str(name), **groups)
+    run = RunConfig(mixer=mixer_cfg, output_dir=cfg.get("output_dir", "."),
+                    name=None if name is None else str(name), **groups)
+    resolve_experts_impl(run)
+    return run
+
+
+def resolve_experts_impl(run: RunConfig) -> None:
+    """``model.moe.experts_impl``: ``auto`` becomes ``grouped`` on CUDA (where the experts'
+    rows are aligned as ``torch._grouped_mm`` needs), else ``sequential``; ``grouped``
+    is refused where this torch has no ``torch._grouped_mm`` for the device. Logged, once,
+    where it is resolved (a resolved value is left as it is). Nothing for a dense model."""
+    from depthmix.config.validate import check_choice, grouped_experts_misaligned
+
+    e = run.model.experts
+    if e is None:
+        return
+    requested = e.experts_impl
+    check_choice("model.moe.experts_impl", requested, ("auto", "sequential", "grouped"))
+    if requested == "sequential":
+        return
+    usable, device = _grouped_mm_status()
+    if requested == "grouped":
+        if not usable:
+            raise ConfigError(f"model.moe.experts_impl=grouped cannot run here: {device}")
+        return
+    misaligned = grouped_experts_misaligned(run)
+    if not usable or device == "cpu" or misaligned:
+        e.experts_impl = "sequential"
+        reason = (device if not usable else "no CUDA device" if device == "cpu"
+                  else misaligned)
+    else:
+        e.experts_impl = "grouped"
+        kernel = ("its CUTLASS kernel on sm90/sm100" if run.train.precision == "bf16" else
+                  f"a loop of GEMMs for train.precision={run.train.precision} (its fused "
+                  "kernel takes bf16 on sm90/sm100)")
+        reason = f"CUDA: torch._grouped_mm, {kernel}"
+    log.info("model.moe.experts_impl=auto -> %s (%s)", e.experts_impl, reason)
+
+
+def _grouped_mm_status():
+    """``(True, "cuda" | "cpu")`` where ``torch._grouped_mm`` runs (the CPU kernel came with
+    torch 2.9), else ``(False, why)``."""
+    import torch
+
+    if not hasattr(torch, "_grouped_mm"):
+        return False, f"torch {torch.__version__} has no torch._grouped_mm (2.8+ has it)"
+    if torch.cuda.is_available():
+        return True, "cuda"
+    try:
+        torch._grouped_mm(torch.zeros(2, 4), torch.zeros(2, 4, 4),
+                          offs=torch.tensor([1, 2], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError) as e:
+        return False, (f"torch {torch.__version__}'s torch._grouped_mm has no CPU kernel "
+                       f"({str(e).splitlines()[0][:120]}; torch 2.9+ has one)")
+    return True, "cpu"
 
 
 def saved_mixer(options: dict, model: ModelConfig, **overrides):

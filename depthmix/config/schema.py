@@ -68,6 +68,13 @@ class MoEConfig:
     expert over capacity drops the assignments of the lowest weights (Megatron's ``probs``
     policy; its ``position`` policy does not keep the first tokens, so it is not offered)."""
 
+    experts_impl: str = "auto"
+    """How the routed experts run: ``sequential`` (Megatron's ``SequentialMLP``, one expert
+    after the other: the reference and the CPU path), ``grouped`` (fc1 and fc2 of all local
+    experts as one ``torch._grouped_mm`` each; the same parameters, a checkpoint of either
+    loads in the other) or ``auto`` (grouped on CUDA, else sequential). Resolved once at
+    start-up and logged."""
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether (0-based, unique) layer ``layer`` has experts."""
         after = layer - self.first_dense_layers
@@ -393,7 +400,8 @@ class LoggerConfig:
     depth_stats_interval: int = 0
     """Log per-layer depth-mixing weights every N steps (0 = never): one extra no-grad
     forward over the first validation micro-batch(es), heatmaps + scalars to W&B and PNGs
-    under ``<output_dir>/depth_stats``."""
+    under ``<output_dir>/depth_stats``; with experts also the expert-load heatmap (each
+    expert's share of its layer's tokens since the previous one, read at log steps)."""
     progress: bool = True
     """A progress bar on the logging rank when stderr is a terminal (never in batch logs)."""
 

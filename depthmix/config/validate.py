@@ -19,6 +19,8 @@ from depthmix.config.schema import ConfigError, RunConfig
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 """``train.precision`` -> the name of its torch dtype (the dtype itself:
 :func:`depthmix.runtime.precision.torch_dtype`)."""
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes of one element at each ``train.precision``."""
 PRECISIONS = tuple(TORCH_DTYPES)
 LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
 """Megatron's ``OptimizerParamScheduler`` styles (``WSD`` needs options depthmix lacks)."""
@@ -46,6 +48,7 @@ CHOICES = {
     "train.fused_cross_entropy": FAST_PATH_MODES,
     "model.moe.score_function": ("softmax", "sigmoid"),
     "model.moe.aux_loss_scope": ("batch", "sequence"),
+    "model.moe.experts_impl": ("auto", "sequential", "grouped"),
 }
 """Allowed values of the string options of the config groups (mixers: ``MixerConfig.CHOICES``)."""
 FREE_TEXT = frozenset({
@@ -210,6 +213,9 @@ def validate_experts(run: RunConfig) -> None:
     _require(not e.expert_bias or e.score_function == "sigmoid",
              "model.moe.expert_bias=true needs model.moe.score_function=sigmoid (DeepSeek-V3's "
              "auxiliary-loss-free balancing biases sigmoid scores)")
+    if e.experts_impl == "grouped":
+        misaligned = grouped_experts_misaligned(run)
+        _require(misaligned is None, f"model.moe.experts_impl=grouped: {misaligned}")
     if e.dropless:
         _require(e.capacity_factor is None,
                  f"model.moe.capacity_factor={e.capacity_factor} needs model.moe.dropless=false "
@@ -218,6 +224,20 @@ def validate_experts(run: RunConfig) -> None:
         _require(e.capacity_factor is not None,
                  "model.moe.dropless=false needs model.moe.capacity_factor (e.g. 1.25)")
         _positive("model.moe.capacity_factor", e.capacity_factor)
+
+
+def grouped_experts_misaligned(run: RunConfig) -> Optional[str]:
+    """Why ``torch._grouped_mm`` cannot take this model's experts (its rows must be 16-byte
+    aligned: the hidden size and an expert's width per tensor-parallel rank), else None."""
+    m, e, tp = run.model, run.model.experts, run.parallel.tp
+    elements = 16 // BYTES.get(run.train.precision, 2)
+    width = e.expert_ffn_hidden_size(m)
+    if m.hidden_size % elements or width % (elements * tp):
+        return (f"model.hidden_size={m.hidden_size} and the expert width per rank "
+                f"(model.moe.ffn_hidden_size={width} / parallel.tp={tp}) must be multiples of "
+                f"{elements} (torch._grouped_mm reads 16-byte aligned rows of "
+                f"train.precision={run.train.precision})")
+    return None
 
 
 def validate_parallel(run: RunConfig) -> None:

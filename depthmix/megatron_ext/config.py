@@ -38,6 +38,9 @@ class DepthMixConfig(TransformerConfig, DerivedShape):
     fused_cross_entropy: bool = False
     """The loss without the full logits (``train.fused_cross_entropy``,
     :mod:`depthmix.megatron_ext.loss`)."""
+    moe_experts_impl: str = "sequential"
+    """The routed experts' module (``model.moe.experts_impl``, resolved): ``sequential``
+    (Megatron's ``SequentialMLP``) or ``grouped`` (:mod:`depthmix.megatron_ext.grouped_experts`)."""
 
 
 def to_transformer_config(run: RunConfig):
@@ -119,11 +122,15 @@ def to_transformer_config(run: RunConfig):
 
 def _moe_fields(run: RunConfig) -> dict:
     """``model.moe`` as Megatron's ``moe_*`` fields (none for a dense model): its own
-    ``MoELayer`` with the all-to-all dispatcher and sequential experts (no Transformer
-    Engine, no grouped GEMM), routing in fp32."""
+    ``MoELayer`` with the all-to-all dispatcher (no Transformer Engine, none of Megatron's
+    grouped GEMMs: ``moe_experts_impl`` picks sequential or torch-native grouped experts),
+    routing in fp32."""
+    from depthmix.config.load import resolve_experts_impl
+
     m, e = run.model, run.model.experts
     if e is None:
         return {}
+    resolve_experts_impl(run)  # a run built in code, not composed, may still say auto
     balancing = {"batch": "aux_loss", "sequence": "seq_aux_loss"}[e.aux_loss_scope]
     return dict(
         num_moe_experts=e.num_experts,
@@ -149,4 +156,5 @@ def _moe_fields(run: RunConfig) -> dict:
         moe_permute_fusion=False,
         moe_router_fusion=False,
         expert_model_parallel_size=run.parallel.ep,
+        moe_experts_impl=e.experts_impl,
     )

@@ -2,7 +2,9 @@
 
 :func:`get_moe_spec` is Megatron's own MoE spec for local (non-Transformer-Engine) modules:
 the top-k router, the all-to-all token dispatcher, ``SequentialMLP`` experts (SwiGLU MLPs
-run one after the other: the reference and the CPU path) and a ``SharedExpertMLP`` when
+run one after the other: the reference and the CPU path) or, with
+``model.moe.experts_impl=grouped``, the same experts as grouped GEMMs
+(:mod:`depthmix.megatron_ext.grouped_experts`), and a ``SharedExpertMLP`` when
 ``model.moe.shared_expert_ffn_hidden_size`` is set. Its router is :class:`ExpertLoadRouter`,
 Megatron's ``TopKRouter`` that also counts what it routes for the console and W&B
 (:mod:`depthmix.pretrain.experts`).
@@ -21,6 +23,8 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+from depthmix.megatron_ext.grouped_experts import GroupedExperts
 
 
 class ExpertLoadRouter(TopKRouter):
@@ -63,10 +67,20 @@ class ExpertLoadRouter(TopKRouter):
 
 
 def get_moe_spec(config) -> ModuleSpec:
-    """Megatron's MoE layer spec for local modules, with :class:`ExpertLoadRouter`."""
+    """Megatron's MoE layer spec for local modules, with :class:`ExpertLoadRouter` and the
+    experts ``config.moe_experts_impl`` names (``SequentialMLP`` or
+    :class:`~depthmix.megatron_ext.grouped_experts.GroupedExperts`)."""
     spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts,
                                            moe_grouped_gemm=False)
-    spec.submodules = dataclasses.replace(spec.submodules, router=ExpertLoadRouter)
+    experts = spec.submodules.experts
+    if config.moe_experts_impl == "grouped":
+        experts = dataclasses.replace(experts, module=GroupedExperts)
+    elif config.moe_experts_impl != "sequential":
+        raise ValueError(f"moe_experts_impl={config.moe_experts_impl!r} is not resolved "
+                         "(sequential or grouped): model.moe.experts_impl is resolved at "
+                         "start-up by config.load.resolve_experts_impl")
+    spec.submodules = dataclasses.replace(spec.submodules, router=ExpertLoadRouter,
+                                          experts=experts)
     if config.moe_shared_expert_intermediate_size is None:
         spec.submodules.shared_experts = None
     return spec

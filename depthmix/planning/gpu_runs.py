@@ -4,8 +4,9 @@ planner reads from them.
 A run file (``docs/gpu-runs/<date>-<device>-<commit>.json``, beside its ``.log``) holds the
 machine (:data:`ENVIRONMENT_KEYS`), the state of each part (:data:`PARTS`) and one row per
 measurement; :func:`validate` is the schema the table generator (``tools/gpu_tables.py``)
-and the tests hold it to. Rows of a training step (``vanilla`` and ``mixers``) carry the
-model's shape, settings and median step time; the ``vanilla`` ones calibrate the planner:
+and the tests hold it to. Rows of a training step (``vanilla``, ``mixers`` and ``moe``) carry
+the model's shape (its experts too), settings and median step time; the ``vanilla`` ones
+calibrate the planner:
 
 * :func:`fit` refits the step-time model's constants (:mod:`depthmix.planning.step_time`:
   the MFU of large GEMMs, ``GEMM_HALF_WORK``, ``STAGE_SECONDS``) to measured vanilla
@@ -28,7 +29,7 @@ from typing import Dict, Iterable, List, Optional
 
 SCHEMA = 1
 """Version of the run-file layout; :func:`validate` refuses others."""
-PARTS = ("vanilla", "mixers", "kernels", "checks")
+PARTS = ("vanilla", "mixers", "moe", "kernels", "checks")
 """The parts of a run, in the order ``tools/gpu_bench.py --part all`` runs them."""
 PART_STATES = ("pending", "running", "done", "skipped")
 ROW_STATES = ("ok", "error", "oom", "skipped")
@@ -272,10 +273,25 @@ row records equals the planned run's (an option the checkout lacks counts as its
 
 def _plan_key(row: dict) -> dict:
     """What :func:`measured` compares and prints of a step row."""
-    keys = ("id", "model", "mixer", "impl", "mixer_options", "mode", "micro_batch",
-            "precision", "settings", "ms_per_step", "tokens_per_s", "device", "device_kind",
-            "run_file")
+    keys = ("id", "model", "mixer", "impl", "experts_impl", "mixer_options", "mode",
+            "micro_batch", "precision", "settings", "ms_per_step", "tokens_per_s", "device",
+            "device_kind", "run_file")
     return {k: row.get(k) for k in keys}
+
+
+EXPERT_KEYS = ("num_experts", "top_k", "ffn_hidden_size", "shared_expert_ffn_hidden_size",
+               "first_dense_layers", "layer_freq")
+"""What a step row records of the model's experts (``model.experts``; None: dense)."""
+
+
+def experts_of(run) -> Optional[dict]:
+    """The run's experts as a row's ``model.experts`` records them; None for a dense model
+    (and in rows written before experts existed)."""
+    e = run.model.experts
+    if e is None:
+        return None
+    return {k: (e.expert_ffn_hidden_size(run.model) if k == "ffn_hidden_size" else getattr(e, k))
+            for k in EXPERT_KEYS}
 
 
 def mixer_options(run) -> dict:
@@ -307,6 +323,8 @@ def _matches(row: dict, run, mixer, gpu: str) -> bool:
              "num_query_groups": m.num_query_groups, "kv_channels": m.kv_channels,
              "seq_length": m.seq_length, "vocab_size": m.padded_vocab_size}
     if any(model.get(k) != v for k, v in shape.items()) or m.n_loops != 1:
+        return False
+    if model.get("experts") != experts_of(run):  # a dense row never stands for experts
         return False
     if (row.get("device_kind") != gpu or row.get("mixer") != mixer.name
             or row.get("precision") != run.train.precision

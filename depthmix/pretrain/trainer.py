@@ -300,15 +300,17 @@ class Trainer:
 
 
 def default_callbacks(run: RunConfig) -> List[Callback]:
-    """Console log line, progress bar, depth statistics, W&B, profiler, checkpoints, closing
-    summary, preemption. Checkpoints come after the loggers: their ``post_step`` saves the
-    state *after* the others acted on the step (anything they draw from an RNG is in the
-    checkpoint). Depth statistics come before W&B, which logs them. The summary closes after
+    """Console log line, progress bar, depth statistics (and the expert-load heatmap), W&B,
+    profiler, checkpoints, closing summary, preemption. Checkpoints come after the loggers:
+    their ``post_step`` saves the state *after* the others acted on the step (anything they
+    draw from an RNG is in the checkpoint). Depth statistics and the expert-load heatmap come
+    before W&B, which logs them. The summary closes after
     W&B and before preemption, whose ``close`` hands over to submitit after everything else
     is saved and closed. Logging callbacks act on the loss rank only."""
     from depthmix.pretrain.callbacks import (
         CheckpointCallback,
         DepthStatsCallback,
+        ExpertLoadHeatmap,
         PreemptionCallback,
         ProfilerCallback,
         ProgressBar,
@@ -321,8 +323,11 @@ def default_callbacks(run: RunConfig) -> List[Callback]:
         callbacks.append(ProgressBar())
     wandb_logger = (WandbLogger() if run.logger.wandb and run.logger.mode != "disabled"
                     else None)
+    consumers = [wandb_logger] if wandb_logger else []
     if run.logger.depth_stats_interval:
-        callbacks.append(DepthStatsCallback(consumers=[wandb_logger] if wandb_logger else []))
+        callbacks.append(DepthStatsCallback(consumers=consumers))
+        if run.model.experts is not None:
+            callbacks.append(ExpertLoadHeatmap(consumers=consumers))
     if wandb_logger:
         callbacks.append(wandb_logger)
     if run.train.profile_steps:

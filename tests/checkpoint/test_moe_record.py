@@ -21,6 +21,11 @@ def test_expert_options_are_compared_one_by_one_and_rebuilt():
     assert "model.moe.num_experts: checkpoint 4, this run 0" in mismatches(
         saved, compose_run("model=tiny"))
     assert run_from_record(saved).model.moe == moe.model.moe
+    # sequential and grouped experts hold the same weights: either loads the other's, and
+    # the record's choice is the machine's that wrote it, resolved again where it is read
+    grouped = compose_run("model=tiny_moe", "model.moe.experts_impl=grouped")
+    assert mismatches(saved, grouped) == []
+    assert run_from_record(record(grouped)).model.moe == moe.model.moe
 
 
 def test_an_expert_option_given_to_eval_is_checked_against_the_checkpoint():

@@ -39,6 +39,15 @@ BAD = [
     (["model=tiny_moe", "parallel.ep=2"], 2, "expert parallelism is not available yet"),
     (["model=tiny_moe", "train.compile=true"], 1, "train.compile=true with experts"),
     (["model=tiny_moe", "train.cuda_graphs=true"], 1, "train.cuda_graphs=true with experts"),
+    (["model=tiny_moe", "model.moe.experts_impl=grouped_mm"], 1, "did you mean 'grouped'"),
+    (["model=tiny_moe", "model.moe.experts_impl=grouped", "model.moe.ffn_hidden_size=170"], 1,
+     "model.moe.experts_impl=grouped: model.hidden_size=128 and the expert width per rank "
+     "(model.moe.ffn_hidden_size=170 / parallel.tp=1) must be multiples of 4"),
+    (["model=tiny_moe", "model.moe.experts_impl=grouped", "model.moe.ffn_hidden_size=168",
+      "train.precision=bf16", *SP], 2,
+     "(model.moe.ffn_hidden_size=168 / parallel.tp=2) must be multiples of 8"),
+    (["model=tiny", "model.moe.experts_impl=grouped"], 1,
+     "model.moe.experts_impl=grouped is set but model=tiny has no experts"),
 ]
 
 
@@ -56,6 +65,28 @@ def test_moe_presets_are_valid(preset):
     run = compose_run(f"model={preset}")
     preflight(run, world_size=1)
     assert run.model.experts is not None
+
+
+def test_experts_impl_auto_is_resolved_once_and_logged(caplog):
+    """``auto`` is grouped on CUDA only, where the rows are aligned; the choice is logged and
+    an explicit value is kept (grouped runs on the CPU too: torch 2.9+ has a CPU kernel)."""
+    import logging
+
+    import torch
+
+    with caplog.at_level(logging.INFO, logger="depthmix"):
+        run = compose_run("model=tiny_moe")
+    want = "grouped" if torch.cuda.is_available() else "sequential"
+    assert run.model.moe.experts_impl == want
+    assert [r.getMessage() for r in caplog.records if "experts_impl" in r.getMessage()] == [
+        f"model.moe.experts_impl=auto -> {want} ("
+        + ("CUDA: torch._grouped_mm, a loop of GEMMs for train.precision=fp32 (its fused "
+           "kernel takes bf16 on sm90/sm100))" if want == "grouped" else "no CUDA device)")]
+    assert compose_run("model=tiny_moe", "model.moe.experts_impl=grouped").model.moe \
+        .experts_impl == "grouped"
+    misaligned = compose_run("model=tiny_moe", "model.moe.ffn_hidden_size=170")
+    assert misaligned.model.moe.experts_impl == "sequential"
+    assert compose_run("model=tiny").model.moe.experts_impl == "auto"  # dense: left alone
 
 
 def test_a_dense_preset_takes_experts_by_their_number():

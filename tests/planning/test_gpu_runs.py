@@ -145,7 +145,9 @@ def test_plan_prints_the_measured_step_beside_its_prediction(synthetic, tmp_path
                                f"HBM3: {ms:.1f} ms a step")
     assert "run file 2026-12-01-h100-0123456789" in lines[0] and "predicted" in lines[0]
     for other in (["train.global_batch_size=8"], ["cluster.gpus=2"], ["cluster.gpu=h200"],
-                  ["train.compile=false"], ["model.num_layers=8"]):
+                  ["train.compile=false"], ["model.num_layers=8"],
+                  ["model.moe.num_experts=4", "model.moe.top_k=1",  # experts: not the dense row
+                   "model.moe.normalize_top_k=false", "model.moe.ffn_hidden_size=4096"]):
         out = io.StringIO()
         assert plan_main([*args, *other], out=out) == 0
         assert "measured:" not in out.getvalue(), other

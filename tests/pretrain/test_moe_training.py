@@ -155,3 +155,39 @@ def test_expert_bias_moves_once_a_step_and_is_checkpointed(megatron_single, tmp_
     assert resumed.step == 2
     for router, bias in zip(routers(resumed), saved):
         assert torch.equal(router.expert_bias, bias)
+
+
+def test_a_checkpoint_moves_between_sequential_and_grouped_experts(megatron_single, tmp_path):
+    """``model.moe.experts_impl`` holds the same parameters either way: a run saved with
+    sequential experts resumes with grouped ones (``torch._grouped_mm``, its CPU kernel here)
+    and back, the weights bit for bit, and the losses follow the run that never switched
+    (within the two GEMMs' rounding: the optimizer state came along)."""
+    from depthmix.megatron_ext.grouped_experts import GroupedExperts
+    from depthmix.megatron_ext.model import unwrap
+    from depthmix.pretrain.trainer import Trainer
+
+    def trainer_of(impl, directory):
+        run = moe_run(directory, steps=6, experts_impl=impl)
+        trainer = Trainer(run, data=SyntheticData, callbacks=[])
+        grouped = [m for c in trainer.model for m in unwrap(c).modules()
+                   if isinstance(m, GroupedExperts)]
+        assert len(grouped) == (3 if impl == "grouped" else 0)
+        return trainer
+
+    reference = trainer_of("sequential", tmp_path / "reference")
+    expected = [reference.train_one_step().loss for _ in range(6)]
+    del reference
+    losses, saved = [], None
+    for impl in ("sequential", "grouped", "sequential"):
+        trainer = trainer_of(impl, tmp_path / "switching")
+        assert trainer.step == len(losses)
+        if saved is not None:
+            loaded = gather_full(trainer.model, "param")
+            assert loaded.keys() == saved.keys()
+            assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+        losses += [trainer.train_one_step().loss for _ in range(2)]
+        saved = gather_full(trainer.model, "param")
+        trainer.save_checkpoint()
+        del trainer
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert losses[:2] == expected[:2]  # sequential both times: the same arithmetic

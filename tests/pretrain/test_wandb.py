@@ -1,9 +1,10 @@
 """W&B offline, 2 ranks at PP=2 (the logging rank is the last stage, rank 1): the local run
 files hold the metrics and the resolved config; a run resumed from the checkpoint writes to
 the same run id; depth statistics recorded on both stages arrive as heatmaps (PNG files
-and W&B images), tables and scalars."""
+and W&B images), tables and scalars, and so does the load of experts on both stages."""
 
 import glob
+import json
 import math
 import os
 
@@ -39,18 +40,28 @@ def _record_fake_stats():
 
 
 def _worker(tmp: str) -> dict:
-    from depthmix.pretrain.callbacks import CheckpointCallback, DepthStatsCallback, WandbLogger
+    from depthmix.config.schema import MoEConfig
+    from depthmix.pretrain.callbacks import (
+        CheckpointCallback,
+        DepthStatsCallback,
+        ExpertLoadHeatmap,
+        WandbLogger,
+    )
 
     _record_fake_stats()
     out = {}
     for name, exit_after in (("first", 4), ("resumed", None)):
         run = make_run(steps=6, pp=2)
+        # experts on layers 1 (stage 0) and 3 (stage 1)
+        run.model.moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32,
+                                  first_dense_layers=1, layer_freq=2)
         run.output_dir = os.path.join(tmp, "out")
         run.logger.wandb, run.logger.mode, run.logger.depth_stats_interval = True, "offline", 2
         run.train.eval_interval, run.train.eval_iters = 2, 1
         run.train.exit_after_steps = exit_after
         wandb_logger = WandbLogger()
-        callbacks = [DepthStatsCallback(consumers=[wandb_logger]), wandb_logger,
+        callbacks = [DepthStatsCallback(consumers=[wandb_logger]),
+                     ExpertLoadHeatmap(consumers=[wandb_logger]), wandb_logger,
                      CheckpointCallback()]
         out[name], out[f"{name}_facts"] = train(run, callbacks)
     return out
@@ -117,3 +128,31 @@ def test_depth_stats_from_both_stages(runs):
     # layer 0 has one source: the cells right of it are "missing" grey
     assert tuple(image[5, 12 + 5]) == (235, 235, 235)
     assert tuple(image[3 * 12 + 5, 3 * 12 + 5]) != (235, 235, 235)
+
+
+def test_expert_load_heatmap_from_both_stages(runs):
+    """Beside the depth heatmaps, every 2 steps (each segment's own): the experts' shares of
+    layers 1 (stage 0) and 3 (stage 1), rows summing to 1, the dense layers grey; the W&B
+    image is the PNG."""
+    first, resumed = runs["runs"]
+    rows = [r for r in first["history"] if "moe/expert_load/heatmap/_type" in r]
+    assert [r["_step"] for r in rows] == [2, 4]
+    assert [r["_step"] for r in resumed["history"]
+            if "moe/expert_load/heatmap/_type" in r] == [6]
+    pngs = sorted(glob.glob(os.path.join(runs["out"], "depth_stats", "expert_load", "*.png")))
+    assert [os.path.basename(p) for p in pngs] == \
+        ["step_0000002.png", "step_0000004.png", "step_0000006.png"]
+    image = np.asarray(Image.open(pngs[0]))
+    logged = os.path.join(run_dirs(runs["out"])[0], "files",
+                          rows[0]["moe/expert_load/heatmap/path"])
+    assert np.array_equal(np.asarray(Image.open(logged).convert("RGB")), image)
+    assert image.shape == (4 * 12, 4 * 12, 3)  # 4 layers x 4 experts
+    for u in (0, 2):  # dense layers
+        assert all(tuple(image[u * 12 + 5, e * 12 + 5]) == (235, 235, 235) for e in range(4))
+    for u in (1, 3):
+        assert all(tuple(image[u * 12 + 5, e * 12 + 5]) != (235, 235, 235) for e in range(4))
+    table = os.path.join(run_dirs(runs["out"])[0], "files",
+                         rows[0]["moe/expert_load/table/path"])
+    data = json.load(open(table))
+    assert [row[0] for row in data["data"]] == [1, 3]
+    assert all(sum(row[1:]) == pytest.approx(1.0) for row in data["data"])

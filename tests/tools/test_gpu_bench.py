@@ -63,6 +63,17 @@ def test_smoke_run_writes_a_valid_run_file_of_every_part(smoke):
         "kernels/moda T64-G2-hd32-D4-np4-fp32/sdpa", "kernels/moda T64-G2-hd32-D4-np4-fp32/ours"}
     kernels = [r for r in doc["rows"] if r["part"] == "kernels"]
     assert kernels[0]["ratio"] == 1.0 and all(r["ratio"] > 0 for r in kernels)
+    # the MoE rows: each mixer and each experts implementation once, the mixer's against
+    # vanilla over the same experts
+    moe = {i: r for i, r in rows.items() if r["part"] == "moe"}
+    assert set(moe) == {"moe/vanilla/grouped/eager", "moe/vanilla/sequential/eager",
+                        "moe/attnres_block/grouped/eager", "moe/mhc/sequential/eager"}
+    assert all(r["status"] == "ok" for r in moe.values()), moe
+    assert {r["experts_impl"] for r in moe.values()} == {"grouped", "sequential"}
+    assert moe["moe/vanilla/grouped/eager"]["model"]["experts"]["num_experts"] == 4
+    assert moe["moe/mhc/sequential/eager"]["vanilla_ms"] == \
+        moe["moe/vanilla/sequential/eager"]["ms_per_step"]
+    assert rows["vanilla/tiny-L4/mb1/eager"]["model"]["experts"] is None
     assert rows["vanilla/tiny-L4/mb1/compiled+graphs"]["status"] == "skipped"
     assert rows["mixers/ddl/triton/eager"]["status"] == "ok"  # DDL has kernels
     step = rows["vanilla/tiny-L4/mb2/eager"]
@@ -94,7 +105,8 @@ def test_the_table_generator_renders_the_smoke_run_and_finds_a_tampered_table(sm
     text = f"# Benchmarks\n\n{tables.ANCHOR}\n\nthe rest\n"
     rendered, problems = tables.render(text, runs)
     assert problems == [] and rendered != text
-    for name in ("environment", "vanilla", "mixers", "peers", "profile", "kernels", "checks"):
+    for name in ("environment", "vanilla", "mixers", "moe", "peers", "profile", "kernels",
+                 "checks"):
         assert f"<!-- gpu-table:{path.stem}/{name} -->" in rendered
     assert tables.disagreements(rendered, runs) == []
     assert tables.render(rendered, runs) == (rendered, [])  # a second run changes nothing

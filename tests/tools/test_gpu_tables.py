@@ -49,6 +49,14 @@ def _run_file() -> dict:
                        within_floor_budget=ms <= 100.0 + 1.5 * floor)
         return row
 
+    def moe(mixer, experts, ms, floor=None):
+        row = step(mixer, "triton", ms, floor)
+        row.update(part="moe", id=f"moe/{mixer}/{experts}/eager", experts_impl=experts)
+        if floor is not None:
+            row.update(vanilla_ms=50.0, budget_ms=50.0 + 1.5 * floor,
+                       within_floor_budget=ms <= 50.0 + 1.5 * floor)
+        return row
+
     rows = [step("vanilla", "torch", 100.0), step("depth_attn", "triton", 101.0, 1.0),
             step("mhc", "triton", 140.0, 7.0),
             {"part": "mixers", "id": "mixers/moda/torch/eager", "status": "oom",
@@ -56,11 +64,16 @@ def _run_file() -> dict:
             {"part": "checks", "id": "checks/test_stack::test_gpu[mhc]", "status": "ok",
              "reason": None, "seconds": 9.0, "kind": "check", "check": "test_stack::test_gpu[mhc]",
              "passed": False, "details": {"test": "tests/kernels/test_stack.py::test_gpu[mhc]",
-                                          "message": "AssertionError: losses differ\n by 0.5"}}]
+                                          "message": "AssertionError: losses differ\n by 0.5"}},
+            moe("vanilla", "grouped", 50.0), moe("vanilla", "sequential", 80.0),
+            moe("mhc", "grouped", 55.0, 4.0),
+            {"part": "moe", "id": "moe/mhc/sequential/eager", "status": "skipped",
+             "reason": "time budget: ~15 s needed", "seconds": 0.0}]
     return {"schema": gpu_runs.SCHEMA, "tool": "tools/gpu_bench.py", "date": "2026-12-01",
             "started": "2026-12-01T00:00:00+00:00", "argv": [[]], "smoke": False,
             "environment": env, "options": {"train.compile": True}, "rows": rows,
             "parts": {"mixers": {"status": "done", "seconds": 20.0},
+                      "moe": {"status": "done", "seconds": 12.0},
                       "checks": {"status": "done", "seconds": 9.0}}}
 
 
@@ -69,7 +82,7 @@ def test_the_generated_tables_show_each_verdict():
     doc = _run_file()
     assert gpu_runs.validate(doc) == []
     generated = tables.tables(doc)
-    assert list(generated) == ["environment", "mixers", "checks"]
+    assert list(generated) == ["environment", "mixers", "moe", "checks"]
     mixers = markdown_rows(generated["mixers"])
     assert mixers[2][:5] == ["depth_attn", "triton", "eager", "101.0", "1.01"]
     assert mixers[2][-2:] == ["1.00", "pass (≤ 101.5)"]
@@ -77,10 +90,15 @@ def test_the_generated_tables_show_each_verdict():
     assert mixers[4][-1] == "oom: OutOfMemoryError: CUDA out of memory"
     check = markdown_rows(generated["checks"])[1]
     assert check == ["test_stack::test_gpu[mhc]", "**FAIL**", "AssertionError: losses differ by 0.5"]
+    moe = markdown_rows(generated["moe"])  # x vanilla over the same experts, x sequential
+    assert moe[1][:7] == ["vanilla", "grouped", "", "eager", "50.0", "–", "0.62"]
+    assert moe[3][:7] == ["mhc", "grouped", "triton", "eager", "55.0", "1.10", "–"]
+    assert moe[3][-1] == "pass (≤ 56.0)"
+    assert moe[4][-1] == "skipped: time budget: ~15 s needed"
     stem = tables.stem_of(doc)
     assert stem == "2026-12-01-h100-0123456789"
     text, problems = tables.render(f"{tables.ANCHOR}\n", {stem: doc})
-    assert problems == [] and text.count("<!-- /gpu-table -->") == 3
+    assert problems == [] and text.count("<!-- /gpu-table -->") == 4
     changed = copy.deepcopy(doc)
     changed["rows"][1]["ms_per_step"] = 99.0
     assert tables.disagreements(text, {stem: changed}) == [

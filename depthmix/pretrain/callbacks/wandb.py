@@ -20,7 +20,9 @@
   evaluation ``val/{loss,ppl}``; the depth statistics a
   :class:`~depthmix.pretrain.callbacks.depth_stats.DepthStatsCallback` hands over (every
   ``logger.depth_stats_interval`` steps) as heatmaps (``depth/<name>/heatmap``, a
-  ``wandb.Image``), a table and scalars.
+  ``wandb.Image``), a table and scalars; with experts, at the same interval, the expert-load
+  heatmap and its table (``moe/expert_load/{heatmap,table}``,
+  :class:`~depthmix.pretrain.callbacks.expert_heatmap.ExpertLoadHeatmap`).
 """
 
 from __future__ import annotations
@@ -173,6 +175,22 @@ class WandbLogger(Callback):
             data[f"depth/{name}/table"] = wandb.Table(columns=columns, data=rows)
         if data:
             self.run.log(data, step=stats.step)
+
+    def log_expert_load(self, trainer, heatmap) -> None:
+        """:class:`~depthmix.pretrain.callbacks.expert_heatmap.ExpertHeatmap` as an image and
+        a table (one row per MoE layer)."""
+        if self.run is None:
+            return
+        import wandb
+
+        share = heatmap.share
+        columns = ["layer"] + [f"expert{e}" for e in range(share.shape[1])]
+        rows = [[u] + [float(v) for v in share[u]] for u in range(share.shape[0])
+                if not all(map(math.isnan, share[u]))]
+        self.run.log({"moe/expert_load/heatmap": wandb.Image(heatmap.image,
+                                                             caption=heatmap.caption),
+                      "moe/expert_load/table": wandb.Table(columns=columns, data=rows)},
+                     step=heatmap.step)
 
     # ---- shutdown -----------------------------------------------------------------------
     def _finish(self, exit_code: int = 0) -> None:
