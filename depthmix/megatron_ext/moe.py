@@ -2,7 +2,8 @@
 
 :func:`get_moe_spec` is Megatron's own MoE spec for local (non-Transformer-Engine) modules:
 the top-k router, the all-to-all token dispatcher, ``SequentialMLP`` experts (SwiGLU MLPs
-run one after the other: the reference and the CPU path) and a ``SharedExpertMLP`` when
+run one after the other: the reference and the CPU path; :class:`SeededExperts`, initialised
+alike at every expert-parallel size) and a ``SharedExpertMLP`` when
 ``model.moe.shared_expert_ffn_hidden_size`` is set. Its router is :class:`ExpertLoadRouter`,
 Megatron's ``TopKRouter`` that also counts what it routes for the console and W&B
 (:mod:`depthmix.pretrain.experts`).
@@ -19,6 +20,9 @@ import dataclasses
 import torch
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.utils import get_pg_rank
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -62,11 +66,34 @@ class ExpertLoadRouter(TopKRouter):
         return out
 
 
+class SeededExperts(SequentialMLP):
+    """Megatron's ``SequentialMLP`` whose experts draw their initial weights by their global
+    index: expert ``g`` of a layer starts from the same weights whichever expert-parallel
+    rank holds it, so every ``parallel.ep`` trains the same model from one seed (the layer's
+    seed, :func:`depthmix.megatron_ext.model.seeded_init`, gives each expert's seed)."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        from depthmix.megatron_ext.model import seeded_init
+
+        super().__init__(0, config, submodules, pg_collection=pg_collection)
+        self.num_local_experts = num_local_experts
+        base = int(torch.randint(0, 2**62, ()))  # one draw from the layer's stream
+        first = get_pg_rank(self.ep_group) * num_local_experts
+        for i in range(num_local_experts):
+            with seeded_init(base + first + i):
+                self.local_experts.append(MLP(
+                    self.config, submodules, ffn_hidden_size=self.config.moe_ffn_hidden_size,
+                    is_expert=True, tp_group=pg_collection.expt_tp))
+
+
 def get_moe_spec(config) -> ModuleSpec:
-    """Megatron's MoE layer spec for local modules, with :class:`ExpertLoadRouter`."""
+    """Megatron's MoE layer spec for local modules, with :class:`ExpertLoadRouter` and
+    :class:`SeededExperts`."""
     spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts,
                                            moe_grouped_gemm=False)
     spec.submodules = dataclasses.replace(spec.submodules, router=ExpertLoadRouter)
+    assert spec.submodules.experts.module is SequentialMLP
+    spec.submodules.experts.module = SeededExperts
     if config.moe_shared_expert_intermediate_size is None:
         spec.submodules.shared_experts = None
     return spec
