@@ -322,7 +322,7 @@ def _train_runs(runs: list, steps: int, mode: str) -> list:
     results = []
     for run in runs:
         trainer = Trainer(run, data=_DataForRank(run), callbacks=[])
-        result = {"losses": []}
+        result = {"losses": [], "grad_norms": [], "experts": None}
         if mode == "parity":
             result["init_params"] = gather_full(trainer.model, "param")
         for step in range(steps):
@@ -330,7 +330,11 @@ def _train_runs(runs: list, steps: int, mode: str) -> list:
             if step == 0 and mode == "parity":
                 def hook(model):
                     result["grads"] = gather_full(model, "grad")
-            result["losses"].append(trainer.train_one_step(after_backward=hook).loss)
+            out = trainer.train_one_step(after_backward=hook)
+            result["losses"].append(out.loss)
+            result["grad_norms"].append(out.grad_norm)
+            if step == 0:
+                result["experts"] = out.experts  # the first step is a log step
         sent = {unwrap(m).chunk: unwrap(m).transport.bytes_sent for m in trainer.model}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sent if parallel_state.get_tensor_model_parallel_rank()
@@ -392,8 +396,10 @@ def run_layouts(runs: list, world_size: int, steps: int = 3, timeout: float = 60
                 mode: str = "parity") -> list:
     """Train each run for ``steps`` steps in one group of ``world_size`` gloo processes.
 
-    Returns, per run: ``losses`` per step, ``grads`` (full, by global name, after step 1's
-    backward, before the optimizer), ``init_params``, and payload ``bytes_sent`` per chunk.
+    Returns, per run: ``losses`` and ``grad_norms`` per step, ``grads`` (full, by global
+    name, after step 1's backward, before the optimizer), ``init_params``, payload
+    ``bytes_sent`` per chunk, and with experts step 1's ``experts``
+    (:class:`~depthmix.pretrain.experts.ExpertLoad`).
     """
     return spawn(_train_runs, world_size, (runs, steps, mode), timeout=timeout)[0]
 
