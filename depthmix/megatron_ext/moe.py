@@ -1,7 +1,8 @@
 """The mixture-of-experts sublayer: Megatron-Core's ``MoELayer`` in the layer's MLP slot.
 
-:func:`get_moe_spec` is Megatron's own MoE spec for local (non-Transformer-Engine) modules:
-the top-k router, the all-to-all token dispatcher, ``SequentialMLP`` experts (SwiGLU MLPs
+:func:`get_moe_spec` is Megatron's own MoE spec for local (non-Transformer-Engine) modules
+(the layer :class:`ExpertGroupsMoE`, whose experts reduce over their own data-parallel group
+at every expert-parallel size): the top-k router, the all-to-all token dispatcher, ``SequentialMLP`` experts (SwiGLU MLPs
 run one after the other: the reference and the CPU path; :class:`SeededExperts`, initialised
 alike at every expert-parallel size) and a ``SharedExpertMLP`` when
 ``model.moe.shared_expert_ffn_hidden_size`` is set. Its router is :class:`ExpertLoadRouter`,
@@ -20,11 +21,12 @@ import dataclasses
 import torch
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.utils import get_pg_rank
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import get_pg_rank
 
 
 class ExpertLoadRouter(TopKRouter):
@@ -86,14 +88,30 @@ class SeededExperts(SequentialMLP):
                     is_expert=True, tp_group=pg_collection.expt_tp))
 
 
+class ExpertGroupsMoE(MoELayer):
+    """Megatron's ``MoELayer`` whose routed experts always reduce their gradients over the
+    expert-data-parallel group and step in the experts' own optimizer (the second of the
+    chained optimizers). Megatron does so only at ``expert_model_parallel_size > 1`` (it
+    marks expert weights ``allreduce=False``); doing it at every size gives the optimizer
+    state one structure whatever ``parallel.ep`` (a checkpoint moves between sizes), and
+    reduces right where expert TP 1 under TP > 1 replicates the experts over the
+    tensor-parallel ranks."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
+        super().__init__(config, submodules, layer_number=layer_number,
+                         pg_collection=pg_collection)
+        for param in self.experts.parameters():
+            param.allreduce = False
+
+
 def get_moe_spec(config) -> ModuleSpec:
-    """Megatron's MoE layer spec for local modules, with :class:`ExpertLoadRouter` and
-    :class:`SeededExperts`."""
+    """Megatron's MoE layer spec for local modules, with :class:`ExpertGroupsMoE`,
+    :class:`ExpertLoadRouter` and :class:`SeededExperts`."""
     spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=config.num_moe_experts,
                                            moe_grouped_gemm=False)
     spec.submodules = dataclasses.replace(spec.submodules, router=ExpertLoadRouter)
-    assert spec.submodules.experts.module is SequentialMLP
-    spec.submodules.experts.module = SeededExperts
+    assert spec.module is MoELayer and spec.submodules.experts.module is SequentialMLP
+    spec.module, spec.submodules.experts.module = ExpertGroupsMoE, SeededExperts
     if config.moe_shared_expert_intermediate_size is None:
         spec.submodules.shared_experts = None
     return spec
