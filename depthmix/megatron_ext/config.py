@@ -9,6 +9,7 @@ from typing import Any
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from depthmix.config.schema import RunConfig
+from depthmix.config.validate import expert_tp_size
 from depthmix.planning.shape import DerivedShape
 
 
@@ -149,4 +150,5 @@ def _moe_fields(run: RunConfig) -> dict:
         moe_permute_fusion=False,
         moe_router_fusion=False,
         expert_model_parallel_size=run.parallel.ep,
+        expert_tensor_parallel_size=expert_tp_size(run.parallel),
     )
