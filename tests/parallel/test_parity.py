@@ -41,8 +41,9 @@ LAYOUTS = {
     "tp2_pp2": (4, {"tp": 2, "pp": 2, "sequence_parallel": True}),
     "recompute": (1, {"recompute": "full"}),
 }
-EP_LAYOUTS = {
+EP_LAYOUTS = {  # the experts' grid: expert_tp x ep x expert data parallel
     "ep2_dp2": (2, {"ep": 2}),
+    "tp2_sp_etp1": (2, {"tp": 2, "sequence_parallel": True, "expert_tp": 1}),  # expert DP 2
     "tp2_sp_ep2": (2, {"tp": 2, "sequence_parallel": True, "ep": 2, "expert_tp": 1}),
     "ep2_dp4_distopt": (4, {"ep": 2, "distributed_optimizer": True}),  # expert DP 2
     "ep2_pp2": (4, {"ep": 2, "pp": 2}),
@@ -51,7 +52,7 @@ EP_LAYOUTS = {
     "tp2_sp_pp2_ep2": (4, {"tp": 2, "sequence_parallel": True, "pp": 2, "ep": 2,
                            "expert_tp": 1}),
 }
-"""Layouts that split experts: with experts only."""
+"""Layouts with an expert grid of their own: with experts only."""
 ALL_LAYOUTS = {"single": (1, {}), **LAYOUTS, **EP_LAYOUTS}
 MIXERS = list(CASES)
 DEFAULT = {"tp2_pp2"}
