@@ -59,8 +59,9 @@ DEFAULT = {"tp2_pp2"}
 """The default lane's layout."""
 
 EXPERTS = {
-    # tiny_moe's routing: softmax top-2, the balance and z-losses
-    "softmax": dict(num_experts=4, top_k=2, ffn_hidden_size=32, first_dense_layers=1,
+    # tiny_moe's routing: softmax top-2, the balance and z-losses; layers 2-3 (so a PP2
+    # stage holds no experts)
+    "softmax": dict(num_experts=4, top_k=2, ffn_hidden_size=32, first_dense_layers=2,
                     aux_loss_coeff=1e-2, z_loss_coeff=1e-3),
     # kimi_moe_small's and deepseek_moe_small's: sigmoid with the expert bias (moved after
     # each step), a shared expert, DeepSeek-V3's scaling and sequence-wise balance loss
@@ -106,21 +107,30 @@ def _pairs_run_here(session) -> set:
     return pairs | {(case, "single") for case, _ in pairs}
 
 
+RUNS_PER_LAUNCH = 18
+"""At most this many runs in one group of processes (one test's time limit)."""
+
+
 @pytest.fixture(scope="session")
 def layout_results(request):
-    """``(layout) -> case -> result``, with ``"single"`` the one-rank reference. The pairs of
-    one world size train in one group of processes, Megatron's parallel state rebuilt between
-    runs: at most three launches in all (1, 2 and 4 ranks)."""
+    """``(layout) -> case -> result`` or ``(layout, case) -> result``, with ``"single"`` the
+    one-rank reference. The pairs of one world size train in one group of processes,
+    Megatron's parallel state rebuilt between runs, up to :data:`RUNS_PER_LAUNCH` at a time:
+    the default lane launches once per world size (1, 2 and 4 ranks)."""
     cache = {}
 
     def get(layout, case=None):
         world = ALL_LAYOUTS[layout][0]
-        wanted = {(case or m, layout) for m in ([case] if case else MIXERS)}
-        todo = sorted(p for p in wanted | _pairs_run_here(request.session)
-                      if ALL_LAYOUTS[p[1]][0] == world and p not in cache)
-        if todo:
+        wanted = [p for p in ((c, layout) for c in ([case] if case else MIXERS))
+                  if p not in cache]
+        if wanted:  # then the session's other pairs of this world size, this layout's first
+            others = sorted((p for p in _pairs_run_here(request.session)
+                             if ALL_LAYOUTS[p[1]][0] == world and p not in cache
+                             and p not in wanted),
+                            key=lambda p: (p[1] != layout, p[1], p[0]))
+            todo = wanted + others[:max(0, RUNS_PER_LAUNCH - len(wanted))]
             runs = [make_run(c, **ALL_LAYOUTS[name][1]) for c, name in todo]
-            cache.update(zip(todo, run_layouts(runs, world_size=world, timeout=1800)))
+            cache.update(zip(todo, run_layouts(runs, world_size=world, timeout=600)))
         if case is not None:
             return cache[case, layout]
         return {m: cache[m, layout] for m in MIXERS}
@@ -160,7 +170,7 @@ def test_experts_match_single_rank(mixer, layout, layout_results):
     for step, (a, b) in enumerate(zip(result["grad_norms"], ref["grad_norms"])):
         assert math.isclose(a, b, rel_tol=1e-5), f"{label}: grad norm step {step + 1}: {a} vs {b}"
     load, ref_load = result["experts"], ref["experts"]
-    assert load.layers == ref_load.layers == [1, 2, 3]
+    assert load.layers == ref_load.layers
     assert load.tokens == ref_load.tokens and load.assigned == ref_load.assigned, label
     for name in ("aux_loss", "z_loss"):
         ours, theirs = getattr(load, name), getattr(ref_load, name)
