@@ -198,34 +198,58 @@ def global_param_name(chunk, name: str) -> str:
     return name
 
 
+def global_expert_name(name: str, ep_rank: int, num_local: int) -> str:
+    """``...local_experts.<local>.x`` -> ``...local_experts.<global>.x`` on expert-parallel
+    rank ``ep_rank`` (it holds experts ``[ep_rank * num_local, (ep_rank + 1) * num_local)``)."""
+    import re
+
+    return re.sub(r"local_experts\.(\d+)\.",
+                  lambda m: f"local_experts.{ep_rank * num_local + int(m.group(1))}.", name)
+
+
 def gather_full(model, which: str = "grad") -> dict:
-    """Full (TP-gathered, all-stage) parameters or main grads by global name; collective,
-    every rank gets the dict. For tests and small models only."""
+    """Full (TP-gathered, all-stage, all-expert) parameters or main grads by global name, in
+    the single-rank layout; collective, every rank gets the dict. Expert weights (Megatron
+    marks them ``allreduce=False``) gather over the expert-TP group and take their global
+    expert index. For tests and small models only."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
     from depthmix.megatron_ext.model import unwrap
 
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    groups = {False: (ps.get_tensor_model_parallel_group(),
+                      ps.get_tensor_model_parallel_world_size()),
+              True: (ps.get_expert_tensor_parallel_group(),
+                     ps.get_expert_tensor_parallel_world_size())}
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    # one copy of each: dense weights from TP and DP rank 0, experts from expert-TP and
+    # expert-DP rank 0 of every expert-parallel rank
+    keep = {False: ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0,
+            True: (ps.get_expert_tensor_parallel_rank() == 0
+                   and ps.get_expert_data_parallel_rank() == 0)}
     local = {}
     for wrapped in model:
         chunk = unwrap(wrapped)
         for name, param in chunk.named_parameters():
+            expert = not getattr(param, "allreduce", True)
+            group, size = groups[expert]
             t = param.main_grad if which == "grad" else param.data
             t = t.detach().float().clone()
-            if tp > 1 and getattr(param, "tensor_model_parallel", False):
-                parts = [torch.empty_like(t) for _ in range(tp)]
-                dist.all_gather(parts, t.contiguous(), group=tp_group)
+            if size > 1 and getattr(param, "tensor_model_parallel", False):
+                parts = [torch.empty_like(t) for _ in range(size)]
+                dist.all_gather(parts, t.contiguous(), group=group)
                 # a shard holds `stride` interleaved pieces (e.g. SwiGLU's gate and up)
                 stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
                 pieces = [p.chunk(stride, dim=dim) for p in parts]
-                t = torch.cat([pieces[r][i] for i in range(stride) for r in range(tp)], dim=dim)
-            local[global_param_name(chunk, name)] = t
-    keep = (parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_data_parallel_rank() == 0)
+                t = torch.cat([pieces[r][i] for i in range(stride) for r in range(size)],
+                              dim=dim)
+            name = global_param_name(chunk, name)
+            if expert:
+                name = global_expert_name(name, ep_rank, chunk.config.num_moe_experts // ep)
+            if keep[expert]:
+                local[name] = t
     everything = [None] * dist.get_world_size()
-    dist.all_gather_object(everything, local if keep else {})
+    dist.all_gather_object(everything, local)
     merged = {}
     for part in everything:
         merged.update(part)
@@ -298,7 +322,7 @@ def _train_runs(runs: list, steps: int, mode: str) -> list:
     results = []
     for run in runs:
         trainer = Trainer(run, data=_DataForRank(run), callbacks=[])
-        result = {"losses": []}
+        result = {"losses": [], "grad_norms": [], "experts": None}
         if mode == "parity":
             result["init_params"] = gather_full(trainer.model, "param")
         for step in range(steps):
@@ -306,7 +330,11 @@ def _train_runs(runs: list, steps: int, mode: str) -> list:
             if step == 0 and mode == "parity":
                 def hook(model):
                     result["grads"] = gather_full(model, "grad")
-            result["losses"].append(trainer.train_one_step(after_backward=hook).loss)
+            out = trainer.train_one_step(after_backward=hook)
+            result["losses"].append(out.loss)
+            result["grad_norms"].append(out.grad_norm)
+            if step == 0:
+                result["experts"] = out.experts  # the first step is a log step
         sent = {unwrap(m).chunk: unwrap(m).transport.bytes_sent for m in trainer.model}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sent if parallel_state.get_tensor_model_parallel_rank()
@@ -368,8 +396,10 @@ def run_layouts(runs: list, world_size: int, steps: int = 3, timeout: float = 60
                 mode: str = "parity") -> list:
     """Train each run for ``steps`` steps in one group of ``world_size`` gloo processes.
 
-    Returns, per run: ``losses`` per step, ``grads`` (full, by global name, after step 1's
-    backward, before the optimizer), ``init_params``, and payload ``bytes_sent`` per chunk.
+    Returns, per run: ``losses`` and ``grad_norms`` per step, ``grads`` (full, by global
+    name, after step 1's backward, before the optimizer), ``init_params``, payload
+    ``bytes_sent`` per chunk, and with experts step 1's ``experts``
+    (:class:`~depthmix.pretrain.experts.ExpertLoad`).
     """
     return spawn(_train_runs, world_size, (runs, steps, mode), timeout=timeout)[0]
 

@@ -11,7 +11,9 @@ tensor keys use global layer indices, so any TP/PP layout can load them), the op
 ``train.ckpt_optim_format`` layout), the LR scheduler, ``step`` and
 ``consumed_train_samples`` (the data position), and every rank's RNG states (Python, NumPy,
 torch, CUDA and Megatron's model-parallel tracker), restored only when the layout is
-unchanged.
+unchanged. Expert weights carry their global expert index (Megatron's ``SequentialMLP``
+sharded state dict), so a checkpoint moves between expert-parallel sizes as between TP/PP
+layouts; the experts' optimizer is the second of Megatron's chained optimizers.
 """
 
 from __future__ import annotations
@@ -52,13 +54,21 @@ class Layout:
     vp: int
     dp: int
     distributed_optimizer: bool
+    ep: int = 1
+    expert_tp: Optional[int] = None
+    """None (a checkpoint from before expert parallelism): ``tp``."""
+
+    def __post_init__(self):
+        if self.expert_tp is None:
+            object.__setattr__(self, "expert_tp", self.tp)
 
     @classmethod
     def of(cls, topo, run) -> "Layout":
-        return cls(topo.tp, topo.pp, topo.vp, topo.dp, run.parallel.distributed_optimizer)
+        return cls(topo.tp, topo.pp, topo.vp, topo.dp, run.parallel.distributed_optimizer,
+                   topo.ep, topo.expert_tp)
 
     def model_parallel(self) -> tuple:
-        return self.tp, self.pp, self.vp
+        return self.tp, self.pp, self.vp, self.ep, self.expert_tp
 
 
 def rng_state() -> dict:
@@ -123,7 +133,12 @@ def sharded_state_dict(model, optimizer, scheduler, topo, position: tuple, is_lo
     for i, chunk in enumerate(model):
         state[_model_key(i, len(model))] = _inner(chunk).sharded_state_dict()
     if optimizer is not None:
-        metadata = {"distrib_optim_sharding_type": optim_format}
+        # with experts the optimizer is a chain (dense, experts); its keys take no chain
+        # prefix where they are model-space keys (the plain optimizer's, fully_reshardable),
+        # so the experts' state moves between expert-parallel sizes by global expert index
+        metadata = {"chained_optim_avoid_prefix": True}
+        if _distributed_optimizers(optimizer):
+            metadata["distrib_optim_sharding_type"] = optim_format
         if is_loading:
             # the distributed optimizer's state tensors must exist to be loaded into
             for opt in _distributed_optimizers(optimizer):
@@ -303,7 +318,7 @@ def load(path: str, *, run, model, topo, optimizer=None, scheduler=None,
             and saved.model_parallel() != now.model_parallel()):
         raise ConfigError(
             f"checkpoint {path} holds distributed-optimizer state in the dp_reshardable format, "
-            f"which cannot move from tp/pp/vp={saved.model_parallel()} to "
+            f"which cannot move from tp/pp/vp/ep/expert_tp={saved.model_parallel()} to "
             f"{now.model_parallel()}: save it with train.ckpt_optim_format=fully_reshardable, "
             "or load weights only with train.load_weights_only=true")
 

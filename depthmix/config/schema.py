@@ -160,7 +160,12 @@ class ParallelConfig:
     """Data-parallel size; derived as world / (tp * pp) when None, checked when set."""
     ep: int = 1
     """Expert-parallel size: the routed experts of each MoE layer are split over this many
-    data-parallel ranks (needs ``model.moe``; divides the data-parallel size)."""
+    ranks of a pipeline stage, each holding ``num_experts / ep`` of them (needs
+    ``model.moe``; ``ep * expert_tp * pp`` divides the world size)."""
+    expert_tp: Optional[int] = None
+    """Tensor-parallel size of the experts: 1 (each expert whole on its rank) or ``tp`` (its
+    weights split like the dense MLP's); None: ``tp``. The ranks of a pipeline stage form
+    ``expert_tp x ep x`` expert-data-parallel groups, which reduce the experts' gradients."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs ``tp > 1``)."""
     distributed_optimizer: bool = False

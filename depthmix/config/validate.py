@@ -280,6 +280,8 @@ def validate_parallel(run: RunConfig) -> None:
     if experts is None:
         _require(p.ep == 1, f"parallel.ep={p.ep} needs experts to split: model={m.name} has "
                  "none (model.moe.num_experts)")
+        _require(p.expert_tp is None, f"parallel.expert_tp={p.expert_tp} needs experts: "
+                 f"model={m.name} has none (model.moe.num_experts)")
     else:
         _require(experts.num_experts % p.ep == 0,
                  f"model.moe.num_experts={experts.num_experts} is not divisible by "
@@ -287,6 +289,9 @@ def validate_parallel(run: RunConfig) -> None:
         _require(p.tp == 1 or p.sequence_parallel,
                  f"parallel.tp={p.tp} with experts needs parallel.sequence_parallel=true "
                  "(Megatron's MoE layer routes each rank's sequence shard)")
+        _require(p.expert_tp in (None, 1, p.tp),
+                 f"parallel.expert_tp={p.expert_tp} must be 1 or parallel.tp={p.tp} "
+                 "(or null: parallel.tp)")
     if p.sequence_parallel:
         _require(p.tp > 1, "parallel.sequence_parallel=true needs parallel.tp > 1")
         _require(m.seq_length % p.tp == 0,
@@ -378,6 +383,24 @@ def data_parallel_size(run: RunConfig, world_size: int) -> int:
     return dp
 
 
+def expert_tp_size(parallel) -> int:
+    """``parallel.expert_tp``, None meaning ``parallel.tp``."""
+    return parallel.tp if parallel.expert_tp is None else parallel.expert_tp
+
+
+def expert_data_parallel_size(run: RunConfig, world_size: int) -> int:
+    """The experts' data-parallel size. Megatron-Core lays the experts out on a grid of
+    their own over the ranks of each pipeline stage: world = pp x expert_tp x ep x edp,
+    beside the dense world = pp x tp x dp (``initialize_model_parallel``)."""
+    p = run.parallel
+    etp = expert_tp_size(p)
+    grid = etp * p.ep * p.pp
+    _require(world_size % grid == 0,
+             f"parallel.ep={p.ep} does not fit world size {world_size}: parallel.ep * "
+             f"parallel.expert_tp * parallel.pp = {p.ep} * {etp} * {p.pp} must divide it")
+    return world_size // grid
+
+
 def validate_layout(run: RunConfig, world_size: int) -> None:
     """The checks that need the number of processes."""
     p, t = run.parallel, run.train
@@ -386,10 +409,8 @@ def validate_layout(run: RunConfig, world_size: int) -> None:
              f"parallel.world_size={p.world_size} but this job has {world_size} processes "
              "(torchrun --nnodes x --nproc-per-node, or srun tasks)")
     dp = data_parallel_size(run, world_size)
-    _require(dp % p.ep == 0,
-             f"parallel.ep={p.ep} does not divide the data-parallel size {dp} (world size "
-             f"{world_size} / (parallel.tp * parallel.pp = {p.tp} * {p.pp})): parallel.ep * "
-             "parallel.tp * parallel.pp must divide the world size")
+    if run.model.experts is not None:
+        expert_data_parallel_size(run, world_size)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"train.global_batch_size={t.global_batch_size} is not divisible by "
              f"train.micro_batch_size * data-parallel size = {t.micro_batch_size} * {dp}")
@@ -412,6 +433,3 @@ def validate(run: RunConfig, world_size: Optional[int] = None) -> None:
         validate_layout(run, world_size)
     if run.mixer is not None:
         run.mixer.validate(run.model, run.parallel)
-    # the option and its checks are in; the expert-parallel groups are not yet
-    _require(run.parallel.ep == 1, f"parallel.ep={run.parallel.ep}: expert parallelism is not "
-             "available yet; use parallel.ep=1")

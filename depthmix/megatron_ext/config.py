@@ -9,6 +9,7 @@ from typing import Any
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from depthmix.config.schema import RunConfig
+from depthmix.config.validate import expert_tp_size
 from depthmix.planning.shape import DerivedShape
 
 
@@ -157,4 +158,5 @@ def _moe_fields(run: RunConfig) -> dict:
         moe_router_fusion=False,
         expert_model_parallel_size=run.parallel.ep,
         moe_experts_impl=e.experts_impl,
+        expert_tensor_parallel_size=expert_tp_size(run.parallel),
     )

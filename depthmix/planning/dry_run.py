@@ -25,7 +25,7 @@ from tabulate import tabulate
 
 from depthmix.config.load import to_container
 from depthmix.config.schema import RunConfig
-from depthmix.config.validate import data_parallel_size
+from depthmix.config.validate import data_parallel_size, expert_data_parallel_size, expert_tp_size
 from depthmix.planning import memory
 from depthmix.planning.flops import flops_per_token, total_params
 from depthmix.planning.shape import Shape
@@ -52,6 +52,12 @@ def report(run: RunConfig, mixer, world_size: int, out: TextIO = sys.stdout) -> 
       f"{f' (vp {vp} virtual stages per pipeline rank)' if vp > 1 else ''}; "
       f"sequence_parallel={p.sequence_parallel}, distributed_optimizer="
       f"{p.distributed_optimizer}, recompute={p.recompute}\n")
+    experts = run.model.experts
+    if experts is not None:
+        edp = expert_data_parallel_size(run, world_size)
+        w(f"experts: world size {world_size} = pp {p.pp} x expert_tp {expert_tp_size(p)} x ep "
+          f"{p.ep} x expert dp {edp}; {experts.num_experts // p.ep} of "
+          f"{experts.num_experts} experts per rank\n")
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
     w(f"global batch {t.global_batch_size} = micro batch {t.micro_batch_size} x "
       f"{num_micro} micro-batches x dp {dp}; {t.global_batch_size * run.model.seq_length:,} "

@@ -9,6 +9,10 @@ layer to every rank: a layer lives on one pipeline stage; data-parallel ranks (a
 sequence parallelism, tensor-parallel ranks) route different tokens, so the counts add up;
 the losses are averages over the data-parallel replicas (each tensor-parallel rank's load
 loss is its share of the layer's: they add up, its z-loss is a mean over its tokens).
+Expert-parallel ranks are data-parallel ranks of the dense model (or, with
+``parallel.expert_tp=1``, tensor-parallel ones) that route their own tokens over all the
+experts, so the same reductions hold: ``tests/parallel/test_parity.py`` checks the reading
+against the single-rank one at every layout.
 """
 
 from __future__ import annotations

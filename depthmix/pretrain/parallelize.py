@@ -1,7 +1,8 @@
 """Process groups and model construction, applied in one fixed order.
 
 1. ``init_distributed``: the default process group (the launcher's environment, or a world
-   of one local process), Megatron's TP/PP/DP groups, and the model-parallel RNG seeds.
+   of one local process), Megatron's TP/PP/DP groups and the experts' EP/expert-TP/
+   expert-DP groups, and the model-parallel RNG seeds.
    Without CUDA it needs the CPU shim: it installs the runtime first where no entry point
    did (:func:`depthmix.runtime.entry_point`).
 2. ``build_chunks``: one ``DepthMixModel`` per virtual pipeline stage on this rank, built from
@@ -25,6 +26,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
 from depthmix.config.schema import RunConfig
+from depthmix.config.validate import expert_tp_size
 from depthmix.megatron_ext.model import build_chunk
 from depthmix.megatron_ext.transport import DepthStateCache
 from depthmix.pretrain import overlap
@@ -45,6 +47,12 @@ class Topology:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    ep: int = 1
+    """Expert-parallel size (the experts' grid: ``expert_tp x ep x`` expert data parallel)."""
+    expert_tp: int = 1
+    ep_rank: int = 0
+    expert_tp_rank: int = 0
+    expert_dp_rank: int = 0
 
     @property
     def is_last_stage(self) -> bool:
@@ -70,17 +78,23 @@ def init_distributed(run: RunConfig) -> Topology:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                     rank=0, world_size=1)
     p = run.parallel
+    etp = expert_tp_size(p)
     if parallel_state.model_parallel_is_initialized() and (
         parallel_state.get_tensor_model_parallel_world_size() != p.tp
         or parallel_state.get_pipeline_model_parallel_world_size() != p.pp
         or parallel_state.get_virtual_pipeline_model_parallel_world_size() != p.vp
+        or parallel_state.get_expert_model_parallel_world_size() != p.ep
+        or parallel_state.get_expert_tensor_parallel_world_size() != etp
     ):  # a later job of a multirun in the same process asks for another layout
         destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
+        # the experts' grid over each stage's ranks: expert_tp x ep x expert-data-parallel
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tp,
             pipeline_model_parallel_size=p.pp,
             virtual_pipeline_model_parallel_size=p.vp,
+            expert_model_parallel_size=p.ep,
+            expert_tensor_parallel_size=etp,
         )
     model_parallel_cuda_manual_seed(run.train.seed)
     return Topology(
@@ -93,6 +107,11 @@ def init_distributed(run: RunConfig) -> Topology:
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
+        ep=p.ep,
+        expert_tp=etp,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        expert_tp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
     )
 
 

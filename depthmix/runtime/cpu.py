@@ -2,7 +2,8 @@
 
 Megatron-Core assumes CUDA in a handful of places: it allocates on
 ``torch.cuda.current_device()``, saves and restores the CUDA RNG state, creates
-streams and events, and branches on ``Tensor.type()`` strings. When CUDA is absent,
+streams and events, branches on ``Tensor.type()`` strings, and hands the all-to-all token
+dispatcher's split sizes to c10d as the NumPy arrays it copies from the GPU. When CUDA is absent,
 :class:`CpuShim` redirects exactly those calls to the CPU. On a GPU machine it does
 nothing. This is the only module in depthmix that knows about the CPU case; entry points
 apply it through :func:`depthmix.runtime.install`.
@@ -139,6 +140,19 @@ class CpuShim:
         self._replace(mcore_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
         self._replace(mcore_random, "_set_cuda_rng_state",
                       lambda state, *a, **k: torch.set_rng_state(state))
+        # the all-to-all dispatcher's split sizes: Megatron copies them to the host as NumPy
+        # arrays only when they are CUDA tensors, and c10d's all_to_all_single takes no tensor
+        from megatron.core.transformer.moe import token_dispatcher
+
+        self._replace(token_dispatcher, "maybe_move_tensor_to_cpu", _to_host)
+        # and with expert TP over expert-parallel ranks, it gathers and reduce-scatters
+        # uneven shards, which NCCL does and gloo refuses
+        from megatron.core.tensor_parallel import mappings
+
+        self._replace(mappings, "_gather_along_first_dim",
+                      _uneven_gather(mappings._gather_along_first_dim))
+        self._replace(mappings, "_reduce_scatter_along_first_dim",
+                      _uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim))
         # Megatron's RNG tracker forks the "CUDA" generator, which is the CPU one here
         logging.getLogger(mcore_random.__name__).addFilter(_cpu_rng_notice)
         self._mode = _CudaToCpuMode()
@@ -155,6 +169,51 @@ class CpuShim:
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved.clear()
+
+
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU: a NumPy copy
+    where it asks for one, as it makes of a CUDA tensor."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy().copy()
+    return tensor
+
+
+def _uneven_gather(original):
+    """Megatron's ``_gather_along_first_dim``; shards of different lengths
+    (``output_split_sizes``) are padded to the longest for gloo's all-gather."""
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    return gather
+
+
+def _uneven_reduce_scatter(original):
+    """Megatron's ``_reduce_scatter_along_first_dim``; shards of different lengths
+    (``input_split_sizes``) through an all-reduce of the whole tensor, for gloo."""
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        sizes = [int(n) for n in input_split_sizes]
+        return torch.split(total, sizes)[group.rank()].clone()
+
+    return reduce_scatter
 
 
 def _cpu_rng_notice(record: logging.LogRecord) -> bool:

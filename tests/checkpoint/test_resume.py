@@ -12,6 +12,13 @@ stopped by ``train.exit_after_steps=3`` saves the step it stopped at.
 Resharding: checkpoints saved at TP=2 and PP=2 load at one rank, distributed-optimizer
 state moves DP=2 -> DP=1 (dp_reshardable) and DP=2 -> TP=2 (fully_reshardable); the next
 losses match the original layout's within 1e-5 (relative).
+
+With experts (sigmoid routing with the expert bias, a buffer that moves every step, and a
+shared expert): bit-exact at EP=2 with the distributed optimizer (dp_reshardable: the dense
+and the experts' optimizer each keyed by their groups); a checkpoint saved at EP=2 resumes at
+EP=1 (distributed optimizer, fully_reshardable) and one saved at EP=1 at EP=2 (Adam state
+by global expert index); dp_reshardable state at another EP size is refused, naming the
+option.
 """
 
 import os
@@ -19,6 +26,7 @@ import os
 import pytest
 
 from depthmix.checkpoint.store import latest_checkpoint, list_checkpoints, read_meta, step_dir
+from depthmix.config.schema import MoEConfig
 
 from run_harness import make_run, spawn, train
 
@@ -31,23 +39,38 @@ LAYOUTS_2 = {  # bit-exact resume at 2 ranks
 }
 
 
+EXPERTS = dict(num_experts=4, top_k=2, ffn_hidden_size=32, first_dense_layers=1,
+               score_function="sigmoid", expert_bias=True, expert_bias_update_rate=1e-2,
+               shared_expert_ffn_hidden_size=32, aux_loss_coeff=1e-2)
+"""DeepSeek-V3's routing on the tiny model (tests/parallel/test_parity.py's)."""
+
 # fp16 with dynamic loss scaling, tuned so that the 6 steps grow the scale, overflow (skipped
 # steps), shrink it and step again: the scaler's state must survive the checkpoint
 FP16 = {"precision": "fp16", "initial_loss_scale": 2.0**19, "loss_scale_window": 2}
 
 
-def _ab(parallel: dict, root: str, train_options: dict = None) -> dict:
+def _make(parallel: dict, train_options: dict = None, experts: bool = False):
+    run = make_run(**parallel)
+    for key, value in (train_options or {}).items():
+        setattr(run.train, key, value)
+    if experts:
+        run.model.moe = MoEConfig(**EXPERTS)
+    return run
+
+
+def _ab(parallel: dict, root: str, train_options: dict = None, experts: bool = False,
+        resume: bool = True) -> dict:
+    """A: 6 steps saving at 3 and 6; B (unless not ``resume``): from A's step 3 to 6."""
     from depthmix.pretrain.callbacks import CheckpointCallback
 
     def make():
-        run = make_run(**parallel)
-        for key, value in (train_options or {}).items():
-            setattr(run.train, key, value)
-        return run
+        return _make(parallel, train_options, experts)
 
     run_a = make()
     run_a.train.save_dir, run_a.train.save_interval, run_a.train.keep_last = root, 3, 0
     a, a_facts = train(run_a, [CheckpointCallback()])
+    if not resume:
+        return {"A": a, "A_facts": a_facts}
     run_b = make()
     run_b.train.load_dir = step_dir(root, 3)
     run_b.train.save_dir = root + "_resumed"
@@ -67,6 +90,38 @@ def _world2(tmp: str) -> dict:
     run.train.load_dir = step_dir(root, 3)
     run.train.save_dir = os.path.join(tmp, "dp2_full_to_tp2")
     out["dp2_full_to_tp2"], _ = train(run, [CheckpointCallback()])
+    out.update(_experts(tmp))
+    return out
+
+
+def _experts(tmp: str) -> dict:
+    """Two ranks with experts: EP=2 bit-exact, EP=2 -> EP=1 and EP=1 -> EP=2."""
+    from depthmix.config.schema import ConfigError
+    from depthmix.pretrain.callbacks import CheckpointCallback
+    from depthmix.pretrain.parallelize import destroy_model_parallel
+
+    ep2, distopt = {"ep": 2, "distributed_optimizer": True}, {"distributed_optimizer": True}
+    full = {"ckpt_optim_format": "fully_reshardable"}
+    out = {"moe_ep2_distopt": _ab(ep2, os.path.join(tmp, "moe_ep2_distopt"), experts=True)}
+    sources = {  # name: (saved at, loaded at, train options)
+        "moe_ep2_full": (ep2, distopt, full),  # EP=2 -> EP=1, distributed optimizer
+        "moe_ep1": ({}, {"ep": 2}, None),  # EP=1 -> EP=2, Adam state
+    }
+    for name, (saved, loaded, options) in sources.items():
+        out[name] = _ab(saved, os.path.join(tmp, name), options, experts=True, resume=False)
+        run = _make(loaded, options, experts=True)
+        run.train.load_dir = step_dir(os.path.join(tmp, name), 3)
+        run.train.save_dir = os.path.join(tmp, f"{name}_resharded")
+        out[f"{name}_resharded"], _ = train(run, [CheckpointCallback()])
+    # dp_reshardable state does not move to another EP size
+    run = _make(distopt, experts=True)
+    run.train.load_dir = step_dir(os.path.join(tmp, "moe_ep2_distopt"), 3)
+    run.train.save_dir = os.path.join(tmp, "moe_refused")
+    try:
+        train(run)
+    except ConfigError as e:
+        out["moe_refused"] = str(e)
+        destroy_model_parallel()
     return out
 
 
@@ -95,7 +150,7 @@ def _world1(tmp: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("resume"))
-    per_rank2 = spawn(_world2, 2, (tmp,), timeout=420)
+    per_rank2 = spawn(_world2, 2, (tmp,), timeout=720)
     per_rank1 = spawn(_world1, 1, (tmp,), timeout=240)
     return {"world2": per_rank2, "world1": per_rank1, "tmp": tmp}
 
@@ -143,13 +198,26 @@ def test_two_rank_resume_is_bit_exact(results, layout):
         _assert_exact(per_rank[layout], f"{layout} rank {rank}")
 
 
+def test_expert_parallel_resume_is_bit_exact(results):
+    for rank, per_rank in enumerate(results["world2"]):
+        _assert_exact(per_rank["moe_ep2_distopt"], f"moe_ep2_distopt rank {rank}")
+
+
+def test_dp_reshardable_state_stays_at_its_expert_parallel_size(results):
+    message = results["world2"][0].get("moe_refused", "")
+    assert "tp/pp/vp/ep/expert_tp=(1, 1, 1, 2, 1) to (1, 1, 1, 1, 1)" in message, message
+    assert "train.ckpt_optim_format=fully_reshardable" in message
+
+
 @pytest.mark.parametrize("source,target", [
     ("tp2_sp", "tp2_sp_to_single"), ("pp2", "pp2_to_single"),
     ("dp2_distopt", "dp2_distopt_to_single"), ("dp2_distopt_full", "dp2_full_to_tp2"),
+    ("moe_ep2_full", "moe_ep2_full_resharded"), ("moe_ep1", "moe_ep1_resharded"),
 ])
 def test_checkpoint_reshards(results, source, target):
     """TP=2 -> 1, PP=2 -> 1 (model and Adam state), distributed optimizer DP=2 -> 1
-    (dp_reshardable) and DP=2 -> TP=2 (fully_reshardable)."""
+    (dp_reshardable) and DP=2 -> TP=2 (fully_reshardable); with experts EP=2 -> 1
+    (distributed optimizer, fully_reshardable) and EP=1 -> 2 (Adam state)."""
     original = results["world2"][0][source]["A"]
     world = "world2" if target in results["world2"][0] else "world1"
     resumed = results[world][0][target]

@@ -1,6 +1,7 @@
-"""``model.moe`` and ``parallel.ep``: an impossible expert configuration stops at start-up with
-one line naming the option (exit status 2, nothing built); a dense preset takes experts only
-with a number of them."""
+"""``model.moe``, ``parallel.ep`` and ``parallel.expert_tp``: an impossible expert
+configuration stops at start-up with one line naming the option (exit status 2, nothing
+built), the expert layouts Megatron-Core builds pass; a dense preset takes experts only with
+a number of them."""
 
 from __future__ import annotations
 
@@ -18,8 +19,15 @@ BAD = [
     (["model=tiny_moe", "model.moe.num_experts=3", "parallel.ep=2"], 2,
      "model.moe.num_experts=3 is not divisible by parallel.ep=2"),
     (["model=tiny_moe", "model.moe.top_k=5"], 1, "model.moe.top_k=5"),
-    (["model=tiny_moe", "parallel.ep=2"], 1, "parallel.ep=2 does not divide"),
-    (["model=tiny_moe", "parallel.ep=2", *SP], 2, "parallel.ep=2 does not divide"),
+    # Megatron's expert grid: world = pp x expert_tp x ep x expert data parallel
+    (["model=tiny_moe", "parallel.ep=2"], 1,
+     "parallel.ep=2 does not fit world size 1: parallel.ep * parallel.expert_tp * parallel.pp "
+     "= 2 * 1 * 1 must divide it"),
+    (["model=tiny_moe", "parallel.ep=2", *SP], 2, "= 2 * 2 * 1 must divide it"),
+    (["model=tiny_moe", "parallel.ep=2", "parallel=pp2"], 2, "= 2 * 1 * 2 must divide it"),
+    (["model=tiny_moe", "parallel.expert_tp=3", *SP], 2,
+     "parallel.expert_tp=3 must be 1 or parallel.tp=2"),
+    (["parallel.expert_tp=1"], 1, "parallel.expert_tp=1 needs experts"),
     (["model=tiny_moe", "model.moe.capacity_factor=1.5"], 1,
      "model.moe.capacity_factor=1.5 needs model.moe.dropless=false"),
     (["model=tiny_moe", "model.moe.dropless=false"], 1, "model.moe.capacity_factor"),
@@ -36,7 +44,6 @@ BAD = [
     (["model=tiny_moe", "model.moe.score_function=sigmod"], 1, "did you mean 'sigmoid'"),
     (["model=tiny_moe", "model.moe.aux_loss_scope=global"], 1, "model.moe.aux_loss_scope"),
     (["model=tiny_moe", "model.moe.z_loss_coeff=-1"], 1, "model.moe.z_loss_coeff=-1"),
-    (["model=tiny_moe", "parallel.ep=2"], 2, "expert parallelism is not available yet"),
     (["model=tiny_moe", "train.compile=true"], 1, "train.compile=true with experts"),
     (["model=tiny_moe", "train.cuda_graphs=true"], 1, "train.cuda_graphs=true with experts"),
     (["model=tiny_moe", "model.moe.experts_impl=grouped_mm"], 1, "did you mean 'grouped'"),
@@ -89,6 +96,19 @@ def test_experts_impl_auto_is_resolved_once_and_logged(caplog):
     assert compose_run("model=tiny").model.moe.experts_impl == "auto"  # dense: left alone
 
 
+@pytest.mark.parametrize("overrides, world", [
+    (["parallel.ep=2"], 2),  # EP over the data-parallel ranks
+    (["parallel.ep=4", "parallel.distributed_optimizer=true", "train.micro_batch_size=2"],
+     8),  # and expert DP 2
+    ([*SP, "parallel.ep=2", "parallel.expert_tp=1"], 2),  # EP over the TP ranks
+    ([*SP, "parallel.ep=2"], 4),  # expert TP 2 x EP 2, DP 2
+    ([*SP, "parallel.expert_tp=1"], 2),  # experts whole on each TP rank, expert DP 2
+    (["parallel=pp2_vp2", "parallel.ep=2", "train.micro_batch_size=2"], 4),
+])
+def test_expert_layouts_megatron_builds_pass(overrides, world):
+    preflight(compose_run("model=tiny_moe", *overrides), world_size=world)
+
+
 def test_a_dense_preset_takes_experts_by_their_number():
     assert compose_run("model=tiny").model.experts is None
     assert compose_run("model=tiny_moe", "model.moe=null").model.experts is None
@@ -122,3 +142,40 @@ def test_cli_exits_2_with_one_line_before_building(monkeypatch, tmp_path, capsys
         status = e.code
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and message in err[0], err
+
+
+def _megatron_builds(world: int, tp: int, pp: int, ep: int, etp: int) -> bool:
+    """Whether Megatron-Core's ``initialize_model_parallel`` (0.16) takes this layout: its
+    world-size checks, then its rank generators (dense tp-cp-ep-dp-pp and experts' own grid)
+    with the same pipeline groups."""
+    from megatron.core.parallel_state import RankGenerator
+
+    if world % (tp * pp) or world % (etp * ep * pp):
+        return False
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order=order)
+    experts = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1,
+                            order=order)
+    return dense.get_ranks("pp") == experts.get_ranks("pp")
+
+
+def test_expert_world_size_checks_agree_with_megatron():
+    """Every (world, tp, pp, ep, expert_tp) up to 8 ranks: start-up refuses exactly what
+    Megatron's process-group set-up cannot build (the batch is sized to fit every DP)."""
+    from depthmix.config.validate import validate_layout
+
+    run = compose_run("model=tiny_moe", "train.micro_batch_size=1",
+                      "train.global_batch_size=840")
+    layout = run.parallel
+    for world in range(1, 9):
+        for tp, pp, ep in [(t, p, e) for t in (1, 2, 4) for p in (1, 2) for e in (1, 2, 4)]:
+            for etp in sorted({1, tp}):
+                layout.tp, layout.pp, layout.ep, layout.expert_tp = tp, pp, ep, etp
+                layout.sequence_parallel = tp > 1
+                try:
+                    validate_layout(run, world)
+                    ours = True
+                except ConfigError:
+                    ours = False
+                assert ours == _megatron_builds(world, tp, pp, ep, etp), \
+                    (world, tp, pp, ep, etp)

@@ -168,7 +168,8 @@ def test_the_output_is_a_checkpoint_a_preset_and_the_tokenizer(imported, hf_dirs
     assert (model["tie_embeddings"], model["qk_layernorm"], model["head_dim"]) == (True, True, 16)
     assert (model["rotary_base"], model["seq_length"], model["vocab_size"]) == (5e4, SEQ, VOCAB)
     assert meta["health"]["healthy"] and meta["contents"] == "weights"
-    assert meta["layout"] == {"tp": 1, "pp": 1, "vp": 1, "dp": 1, "distributed_optimizer": False}
+    assert meta["layout"] == {"tp": 1, "pp": 1, "vp": 1, "dp": 1, "distributed_optimizer": False,
+                              "ep": 1, "expert_tp": 1}
     assert meta["imported_from"]["model_type"] == "qwen3"
     tok = HFTokenizer(os.path.join(out, "tokenizer", "tokenizer.json"))
     assert tok.encode("the lazy fox") == HFTokenizer(os.path.join(hf_dirs["qwen3_tied"],

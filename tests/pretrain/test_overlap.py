@@ -6,7 +6,8 @@ state is rebuilt between runs):
 
 * parity: at DP2 + distributed optimizer (the full lane: DP2, PP2 x DP2 and PP2 x VP2 x
   DP2, both with the distributed optimizer; the interleaved one with
-  ``align_param_gather``), for vanilla and two depth mixers, overlap on trains exactly as
+  ``align_param_gather``; with experts at EP2 x expert DP2, whose buckets reduce over
+  their own group), for vanilla and two depth mixers, overlap on trains exactly as
   overlap off: losses, gradient norms, full gradients after steps 1 and 2 (step 2 is the
   first whose reductions overlap: Megatron learns the bucket order in step 1) and the
   evaluation loss after step 4, bit for bit
@@ -43,7 +44,11 @@ LAYOUTS = {  # name: (world size, parallel options)
     "pp2_dp2_distopt": (4, {"pp": 2, "distributed_optimizer": True}),
     "pp2_vp2_dp2_distopt": (4, {"pp": 2, "vp": 2, "distributed_optimizer": True,
                                 "align_param_gather": True}),
+    # experts over 2 expert-parallel x 2 expert-data-parallel ranks: their own buckets
+    "moe_ep2_dp4_distopt": (4, {"ep": 2, "distributed_optimizer": True}),
 }
+EXPERTS = dict(num_experts=4, top_k=2, ffn_hidden_size=32, first_dense_layers=1,
+               aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
 STEPS = 4
 
 
@@ -59,12 +64,14 @@ def _weights_digest(model) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
-def _parity_run(case: str, parallel: dict) -> dict:
+def _parity_run(case: str, parallel: dict, experts: bool = False) -> dict:
+    from depthmix.config.schema import MoEConfig
     from depthmix.pretrain.parallelize import destroy_model_parallel
     from depthmix.pretrain.trainer import Trainer
     from depthmix.testing import SyntheticData
 
     run = variant_run(*MIXERS[case])
+    run.model.moe = MoEConfig(**EXPERTS) if experts else None
     t = run.train
     t.micro_batch_size, t.global_batch_size, t.lr, t.eval_iters = 2, 8, 1e-2, 1
     for key, value in parallel.items():
@@ -81,14 +88,17 @@ def _parity_run(case: str, parallel: dict) -> dict:
         out["losses"].append(result.loss)
         out["grad_norms"].append(result.grad_norm)
     out["eval"] = trainer.evaluate().loss
-    out["weights"] = (trainer.topo.pp_rank, _weights_digest(trainer.model))
+    # replicas: the ranks of one stage that hold the same experts
+    out["weights"] = ((trainer.topo.pp_rank, trainer.topo.ep_rank),
+                      _weights_digest(trainer.model))
     del trainer
     destroy_model_parallel()
     return out
 
 
 def _parity(layouts) -> dict:
-    return {(layout, case, on): _parity_run(case, overlap(LAYOUTS[layout][1], on))
+    return {(layout, case, on): _parity_run(case, overlap(LAYOUTS[layout][1], on),
+                                            experts=layout.startswith("moe_"))
             for layout in layouts for case in MIXERS for on in (False, True)}
 
 
@@ -241,7 +251,7 @@ def test_overlap_trains_exactly_as_without(results, layout):
                 stage, digest = rank["parity"][layout, case, o]["weights"]
                 stages.setdefault(stage, set()).add(digest)
             assert all(len(d) == 1 for d in stages.values()), f"{label} overlap={o}"
-            assert len(stages) == (2 if pp else 1)
+            assert len(stages) == (2 if pp else 1) * parallel.get("ep", 1)
 
 
 def test_resume_with_overlap_is_bit_exact(results):
