@@ -101,7 +101,8 @@ def flops_per_token(run: RunConfig, mixer, config=None) -> Dict[str, float]:
     swa = float(short_swa_flops_per_token(x))
     forward = linear + attention + head + extra + swa
     return {"linear": float(linear), "moe": float(moe_flops), "attention": float(attention),
-            "head": float(head), "mixer": extra, "short_swa": swa, "forward": float(forward), "train": 3.0 * forward}
+            "head": float(head), "mixer": extra, "short_swa": swa, "forward": float(forward),
+            "train": 3.0 * forward}
 
 
 @dataclass

@@ -203,7 +203,8 @@ def estimate(run: RunConfig, mixer, world_size: int, config=None) -> List[RankMe
     geometry = _geometry(run, mixer, config, layout)
     views = mixer.view_entries(config, tp)
     per_param = state_bytes_per_param(t.precision, p.distributed_optimizer, dp)
-    per_expert_param = state_bytes_per_param(t.precision, p.distributed_optimizer, dp // ep)
+    per_expert_param = state_bytes_per_param(t.precision, p.distributed_optimizer,
+                                             max(dp // ep, 1))  # the expert-DP group
     chunk_of = _chunk_of_layer(x, layout)
     vanilla = vanilla_layer_elems(x, tp, sp, b)
     layer_bytes = {u: (vanilla + saved.layers.get(u, 0.0)) * tokens * act
@@ -267,8 +268,6 @@ def estimate(run: RunConfig, mixer, world_size: int, config=None) -> List[RankMe
         buffers = (inflight * received + wire) if pp > 1 else 0.0
         lo, hi = r * tp * dp, (r + 1) * tp * dp - 1
         dense = params - experts
-        expert_state = experts * (per_expert_param["weights"] + per_expert_param["grads"]
-                                  + per_expert_param["optimizer"])
         out.append(RankMemory(
             pp_rank=r, global_ranks=f"{lo}-{hi}" if hi > lo else f"{lo}", chunks=chunks,
             params=params, weight_bytes=params * per_param["weights"],
@@ -278,7 +277,8 @@ def estimate(run: RunConfig, mixer, world_size: int, config=None) -> List[RankMe
             saved_per_micro=per_micro,
             recompute_layer_bytes=rebuilt, inflight_microbatches=inflight,
             activation_bytes=activation, payload_bytes=payload, wire_bytes=wire,
-            p2p_buffer_bytes=buffers, expert_params=experts, expert_state_bytes=expert_state,
+            p2p_buffer_bytes=buffers, expert_params=experts,
+            expert_state_bytes=experts * sum(per_expert_param.values()),
             moe_activation_bytes=inflight * sum(moe_micro) / len(moe_micro) + rebuilt_moe,
             routing_bound_bytes=inflight * sum(bound_micro) / len(bound_micro) + rebuilt_bound))
     return out

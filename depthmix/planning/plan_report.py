@@ -80,10 +80,10 @@ def experts_line(run: RunConfig, budget: float, chosen: Candidate) -> Optional[s
     bound = ("every token of the EP group routed to one rank's experts (dropless)"
              if e.dropless else f"every expert at capacity (model.moe.capacity_factor="
              f"{e.capacity_factor})")
-    fits = chosen.peak_bytes + peak.routing_bound_bytes <= budget
+    fits = "within" if chosen.peak_bytes + peak.routing_bound_bytes <= budget else "over"
     return (f"experts: the chosen layout's MoE layers save "
             f"{fmt_bytes(peak.moe_activation_bytes)} on pp rank {peak.pp_rank} at a balanced "
-            f"router; with {bound} {fmt_bytes(peak.routing_bound_bytes)} more ({'within' if fits else 'over'} the "
+            f"router; with {bound} {fmt_bytes(peak.routing_bound_bytes)} more ({fits} the "
             "memory budget)")
 
 

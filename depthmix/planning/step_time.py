@@ -24,8 +24,8 @@ layouts by (:mod:`depthmix.planning.planner`). Terms, per step, on the slowest r
     dp        gradient all-reduce 2 (dp - 1) / dp x 4 bytes a parameter, or with the
               distributed optimizer reduce-scatter (4 bytes) + parameter all-gather
               (weight bytes), (dp - 1) / dp each; over the network when the DP group
-              spans nodes. The routed experts' over their expert-data-parallel group of
-              dp / ep ranks instead. With ``parallel.overlap_grad_reduce`` the reduction runs in
+              spans nodes; the routed experts' over their expert-data-parallel group of
+              dp / ep ranks. With ``parallel.overlap_grad_reduce`` the reduction runs in
               buckets during the last micro-batch's backward (Megatron accumulates the
               others locally): exposed = max(last bucket, reduction - that backward).
               With ``parallel.overlap_param_gather`` (distributed optimizer) the gather
@@ -132,8 +132,8 @@ def step_time(run: RunConfig, lay, kind, ranks, flops_per_token: float, gpus: in
           / (kind.nvlink_gbs * 1e9))
     a2a = 0.0
     if moe and lay.ep > 1:
-        sent = moe.alltoall_bytes(lay.micro_batch * m.seq_length, lay.tp,
-                                  run.parallel.sequence_parallel, lay.ep, e)
+        sent = moe.alltoall_bytes(lay.micro_batch * m.seq_length, lay.tp, p.sequence_parallel,
+                                  lay.ep, e)
         bw = kind.nvlink_gbs if lay.tp * lay.ep <= kind.gpus_per_node else kind.network_gbs
         a2a = num_micro * moe_here * (4 + 2 * again) * sent / (bw * 1e9)
     stage_stride = lay.tp * lay.dp  # Megatron's rank order: tp fastest, pp outermost
