@@ -8,6 +8,7 @@ log line counts it (``depthmix.planning.flops``: attention over the whole score 
 Megatron-LM counts it). CPU numbers are ratios only; absolute times mean something on a GPU.
 
     python tools/bench_mixers.py                       # tiny model, every mixer, CPU
+    python tools/bench_mixers.py --model tiny_moe      # the same over experts (docs/moe.md)
     python tools/bench_mixers.py --model 1p5b --layers 4 --seq 2048 --micro-batch 1 \\
         --precision bf16 --impl torch,triton           # on a GPU
     python tools/bench_mixers.py --compile both --peers  # + compiled rows, peer models
@@ -68,8 +69,9 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 
-# the tiny preset's 8 sublayers cannot hold Block AttnRes' default 12-sublayer block
+# the tiny presets' 8 sublayers cannot hold Block AttnRes' default 12-sublayer block
 TINY_OPTIONS = ["attnres_block.block_size=4"]
+TINY_PRESETS = ("tiny", "tiny_moe")
 
 
 def build_runs(args):
@@ -84,7 +86,7 @@ def build_runs(args):
     options = {}
     given = {item.split("=", 1)[0] for item in args.option}
     defaults = [o for o in TINY_OPTIONS if o.split("=", 1)[0] not in given]
-    for item in (defaults if args.model == "tiny" else []) + args.option:
+    for item in (defaults if args.model in TINY_PRESETS else []) + args.option:
         key, value = item.split("=", 1)
         mixer, field = key.split(".", 1)
         options.setdefault(mixer, []).append(f"mixer.{field}={value}")

@@ -39,11 +39,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     overrides = list(args.overrides)
     if not any(o.startswith(("parallel.pp=", "parallel=")) for o in overrides):
         overrides.append("parallel.pp=4")
-    rows = [table.overheads(compose_run(*overrides, f"mixer={name}"), get_mixer(name),
-                            args.prefill, args.element_size) for name in names]
+    runs = [compose_run(*overrides, f"mixer={name}") for name in names]
+    rows = [table.overheads(run, get_mixer(name), args.prefill, args.element_size)
+            for run, name in zip(runs, names)]
     model = next((o for o in overrides if o.startswith("model=")), "model=tiny")
     print(f"extra cost over the vanilla decoder, {model}, {args.element_size}-byte activations; "
           f"FLOPs forward (2 per multiply-add); pipeline bytes per micro-batch of one sequence")
+    if runs and runs[0].model.experts:
+        print(table.experts_note(runs[0], get_mixer("vanilla")))
     print(table.table(rows, args.prefill))
 
 

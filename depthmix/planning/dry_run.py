@@ -27,7 +27,8 @@ from depthmix.config.load import to_container
 from depthmix.config.schema import RunConfig
 from depthmix.config.validate import data_parallel_size, expert_data_parallel_size, expert_tp_size
 from depthmix.planning import memory
-from depthmix.planning.flops import flops_per_token, total_params
+from depthmix.planning.experts import Experts
+from depthmix.planning.flops import activated_params, flops_per_token, total_params
 from depthmix.planning.shape import Shape
 from depthmix.planning.units import fmt_bytes, human
 
@@ -80,21 +81,51 @@ def report(run: RunConfig, mixer, world_size: int, out: TextIO = sys.stdout) -> 
     w(tabulate(rows, ["pp rank", "params", "weights+grads+optim", "activations", "in flight",
                       "total", "sends/micro-batch", "p2p buffers"],
                tablefmt="plain", stralign="right", disable_numparse=True) + "\n")
+    if run.model.experts:
+        _experts(run, estimates, dp, w)
     total = total_params(run, mixer, shape)
     per_param = memory.state_bytes_per_param(t.precision, p.distributed_optimizer, dp)
-    w(f"model parameters: {human(total)} ({total:,}); bytes/param for weights+grads+"
+    activated = activated_params(run, mixer, shape)
+    active = (f", {human(activated)} ({activated:,}) activated per token"
+              if activated != total else "")
+    w(f"model parameters: {human(total)} ({total:,}){active}; bytes/param for weights+grads+"
       f"optimizer: {sum(per_param.values()):.2f} ({t.precision}"
       f"{', distributed optimizer' if p.distributed_optimizer else ''})\n")
     flops = flops_per_token(run, mixer, shape)
     vanilla = flops["linear"] + flops["attention"] + flops["head"]
     swa = f" + short_swa {human(flops['short_swa'])}" if flops["short_swa"] else ""
     extra = flops["mixer"] + flops["short_swa"]
+    moe = ""
+    if flops["moe"]:
+        e = run.model.experts
+        shared = ", shared expert" if e.shared_expert_ffn_hidden_size else ""
+        moe = f" (MoE layers {human(flops['moe'])}: router, top-{e.top_k} experts{shared})"
     w(f"training FLOPs per token: {human(flops['train'])} (3 x forward; forward = linear "
-      f"{human(flops['linear'])} + attention {human(flops['attention'])} + head "
+      f"{human(flops['linear'])}{moe} + attention {human(flops['attention'])} + head "
       f"{human(flops['head'])} + mixer {human(flops['mixer'])}{swa}; "
       f"+{100 * extra / vanilla:.2f}% over vanilla)\n")
     w(f"Estimates (depthmix.planning.memory) exclude the CUDA context, NCCL buffers and "
       f"fragmentation: keep about {memory.RESERVE_GIB:.0f} GiB a device free for them.\n")
+
+
+def _experts(run: RunConfig, estimates, dp: int, w) -> None:
+    """The MoE memory of each rank: the routed experts it holds and their state, what its
+    MoE layers save at a balanced router and what routing at its bound would add."""
+    e, p = run.model.experts, run.parallel
+    moe = Experts.of(run)
+    bound = ("dropless: every token of the EP group sent to one rank's experts" if e.dropless
+             else f"model.moe.capacity_factor={e.capacity_factor}: every expert full")
+    w(f"\n# experts per rank: {sum(moe.moe_layers)} MoE layers of {e.num_experts} experts "
+      f"(top-{e.top_k}), {e.num_experts // p.ep} on each of ep {p.ep} ranks, their "
+      f"gradients and optimizer state over the expert-data-parallel group of {dp // p.ep}; "
+      f"MoE activations at a balanced router, and what routing at its bound adds "
+      f"({bound})\n")
+    rows = [[str(r.pp_rank), human(r.expert_params), _gib(r.expert_state_bytes),
+             _gib(r.moe_activation_bytes), "+" + _gib(r.routing_bound_bytes)]
+            for r in estimates]
+    w(tabulate(rows, ["pp rank", "expert params", "their weights+grads+optim",
+                      "MoE activations", "at the routing bound"],
+               tablefmt="plain", stralign="right", disable_numparse=True) + "\n")
 
 
 def _gib(n: float) -> str:

@@ -11,7 +11,9 @@ State (bytes)::
     weights    P * (4 fp32 | 2 bf16/fp16)
     gradients  P * 4                         Megatron's main grads (grad_reduce_in_fp32)
     optimizer  P * (8 fp32 | 12 bf16/fp16)   Adam moments (+ fp32 master weights),
-                                             / dp with the distributed optimizer
+                                             / dp with the distributed optimizer; the
+                                             routed experts' / (dp / ep), their
+                                             expert-data-parallel group
 
 Saved for backward per micro-batch and token, one decoder layer (elements; what the
 layer's autograd graph holds with the SDPA core, measured by tests/planning/memory_probe.py)::
@@ -23,6 +25,12 @@ layer's autograd graph holds with the SDPA core, measured by tests/planning/memo
     MLP        5 f                  fused gate|up output, silu input/output, product
     RoPE       4 s d_h / (b s)      cos/sin tables of q and k, per micro-batch
     ShortSWA   (3h + 1) / t + attention, when ``mixer.short_swa_window > 0``
+
+On an MoE layer the MLP term is the MoE layer's instead (router, permutation, the routed
+rows at the experts, the shared expert: :mod:`depthmix.planning.experts`), at a balanced
+router (``k`` rows a token); :attr:`RankMemory.routing_bound_bytes` is what the rank would
+hold on top were the routing at its bound (dropless: every token of the EP group sent to
+this rank's experts; with a capacity factor: every expert full).
 
 plus the mixer's own saved tensors and depth state (``Mixer.saved_activations``), the
 embedding's token ids (8 bytes a token) on the first chunk and, on the last, the final
@@ -52,7 +60,8 @@ from typing import List
 
 from depthmix.config.schema import RunConfig
 from depthmix.config.validate import data_parallel_size
-from depthmix.planning.flops import stored_layer_params
+from depthmix.planning.experts import Experts
+from depthmix.planning.flops import stored_layer_expert_params, stored_layer_params
 from depthmix.planning.pipeline import PipelineLayout, geometry_of
 from depthmix.planning.shape import Shape
 
@@ -116,6 +125,10 @@ class RankMemory:
     payload_bytes: int  # most depth state + hidden sent to the next stage, per micro-batch
     wire_bytes: int  # what the transport actually exchanges per transition
     p2p_buffer_bytes: float
+    expert_params: int = 0  # the routed experts' share of ``params``
+    expert_state_bytes: float = 0.0  # their weights, gradients and optimizer state
+    moe_activation_bytes: float = 0.0  # the MoE layers' MLPs' share of the activation peak
+    routing_bound_bytes: float = 0.0  # more at the peak were the routing at its bound
 
     @property
     def state_bytes(self) -> float:
@@ -174,14 +187,15 @@ def estimate(run: RunConfig, mixer, world_size: int, config=None) -> List[RankMe
     ``mixer``: the run's :class:`~depthmix.mixers.base.Mixer` (its hooks); ``config``: what
     they read (default the run's :class:`Shape`)."""
     p, t = run.parallel, run.train
-    x = Shape.of(run)
-    tp, pp, vp, sp = p.tp, p.pp, p.vp or 1, p.sequence_parallel
+    x, moe = Shape.of(run), Experts.of(run)
+    tp, pp, vp, sp, ep = p.tp, p.pp, p.vp or 1, p.sequence_parallel, p.ep
     dp = data_parallel_size(run, world_size)
     config = config if config is not None else x
     extra = mixer.extra_params(config, tp)
     saved = mixer.saved_activations(config, tp, t.micro_batch_size)
     layout = PipelineLayout(x.num_layers, pp, vp)
-    per_layer_params = stored_layer_params(x, tp, extra)
+    per_layer_params = stored_layer_params(x, tp, extra, moe, ep)
+    per_layer_experts = stored_layer_expert_params(x, moe, tp, ep)
     act = activation_bytes_of(t.precision)
     b = t.micro_batch_size
     tokens = b * x.seq_length
@@ -189,21 +203,34 @@ def estimate(run: RunConfig, mixer, world_size: int, config=None) -> List[RankMe
     geometry = _geometry(run, mixer, config, layout)
     views = mixer.view_entries(config, tp)
     per_param = state_bytes_per_param(t.precision, p.distributed_optimizer, dp)
+    per_expert_param = state_bytes_per_param(t.precision, p.distributed_optimizer,
+                                             max(dp // ep, 1))  # the expert-DP group
     chunk_of = _chunk_of_layer(x, layout)
     vanilla = vanilla_layer_elems(x, tp, sp, b)
     layer_bytes = {u: (vanilla + saved.layers.get(u, 0.0)) * tokens * act
                    for u in range(x.unrolled_layers)}
+    moe_bytes = {u: 0.0 for u in layer_bytes}  # the MoE MLP's share of each layer
+    bound_bytes = dict(moe_bytes)  # more, at the routing bound
+    if moe is not None:
+        mlp = moe.saved_bytes(tokens, b, tp, sp, act)
+        bound = moe.saved_bytes(tokens, b, tp, sp, act, moe.rows_bound(tokens, tp, sp, ep))
+        for u in layer_bytes:
+            if moe.is_moe(u):
+                layer_bytes[u] += mlp - 5 * x.ffn_hidden_size / tp * tokens * act
+                moe_bytes[u], bound_bytes[u] = mlp, bound - mlp
     recompute = p.recompute == "full"
 
     out = []
     for r in range(pp):
-        chunks, params, payload, wire, per_micro = [], 0, 0, 0, []
-        head_bytes, rebuilt = 0.0, 0.0
+        chunks, params, experts, payload, wire, per_micro = [], 0, 0, 0, 0, []
+        moe_micro, bound_micro = [], []
+        head_bytes, rebuilt, rebuilt_moe, rebuilt_bound = 0.0, 0.0, 0.0, 0.0
         for v in range(vp):
             c = layout.chunk(r, v)
             first, last = c == 0, c == layout.num_chunks - 1
             layers = layout.layers(c)
             params += sum(per_layer_params[i] for i in layers)
+            experts += sum(per_layer_experts[i] for i in layers)
             unrolled = [u for u in range(x.unrolled_layers) if chunk_of(u) == c]
             if recompute:
                 key = (id(geometry), c, act, b)
@@ -211,9 +238,16 @@ def estimate(run: RunConfig, mixer, world_size: int, config=None) -> List[RankMe
                     _RECOMPUTE_INPUTS[key] = _recompute_inputs(geometry, c, unrolled, act, b,
                                                                views)
                 held = _RECOMPUTE_INPUTS[key]
-                rebuilt = max([rebuilt] + [layer_bytes[u] for u in unrolled])
+                biggest = max(unrolled, key=lambda u: layer_bytes[u])
+                if layer_bytes[biggest] > rebuilt:
+                    rebuilt, rebuilt_moe = layer_bytes[biggest], moe_bytes[biggest]
+                rebuilt_bound = max([rebuilt_bound] + [bound_bytes[u] for u in unrolled])
+                moe_micro.append(0.0)
+                bound_micro.append(0.0)
             else:
                 held = sum(layer_bytes[u] for u in unrolled)
+                moe_micro.append(sum(moe_bytes[u] for u in unrolled))
+                bound_micro.append(sum(bound_bytes[u] for u in unrolled))
             if first:
                 params += x.vocab_size * x.hidden_size // tp + extra.stem
                 held += 8 * tokens  # token ids
@@ -233,12 +267,18 @@ def estimate(run: RunConfig, mixer, world_size: int, config=None) -> List[RankMe
         received = wire if r > 0 or vp > 1 else 0
         buffers = (inflight * received + wire) if pp > 1 else 0.0
         lo, hi = r * tp * dp, (r + 1) * tp * dp - 1
+        dense = params - experts
         out.append(RankMemory(
             pp_rank=r, global_ranks=f"{lo}-{hi}" if hi > lo else f"{lo}", chunks=chunks,
             params=params, weight_bytes=params * per_param["weights"],
             grad_bytes=params * per_param["grads"],
-            optimizer_bytes=params * per_param["optimizer"], saved_per_micro=per_micro,
+            optimizer_bytes=(dense * per_param["optimizer"]
+                             + experts * per_expert_param["optimizer"]),
+            saved_per_micro=per_micro,
             recompute_layer_bytes=rebuilt, inflight_microbatches=inflight,
             activation_bytes=activation, payload_bytes=payload, wire_bytes=wire,
-            p2p_buffer_bytes=buffers))
+            p2p_buffer_bytes=buffers, expert_params=experts,
+            expert_state_bytes=experts * sum(per_expert_param.values()),
+            moe_activation_bytes=inflight * sum(moe_micro) / len(moe_micro) + rebuilt_moe,
+            routing_bound_bytes=inflight * sum(bound_micro) / len(bound_micro) + rebuilt_bound))
     return out

@@ -8,6 +8,12 @@ unless ``--bytes`` says otherwise), extra persistent state for a prefill of ``--
 tokens, extra parameters, and the extra bytes the largest pipeline stage boundary carries
 per micro-batch of one sequence (at ``parallel.pp``, default 4).
 
+With experts (``model.moe``) the table is the same mixers' cost over the same decoder with
+its MoE layers: a depth mixer treats an MoE sublayer as an FFN, so its own FLOPs, I/O,
+state, parameters and pipeline bytes do not change with experts; what changes is the
+share, "% of model", taken of the vanilla forward counted by *activated* parameters (the
+router, the top-k experts a token is routed to, the shared expert), as MFU counts it.
+
 One source of truth: FLOPs come from each mixer's ``extra_flops_per_token`` hook (the
 training accounting's MFU uses the same), I/O from ``extra_io_per_token``, state from
 ``extra_state_per_token`` (or, for hidden-state methods, the plan), parameters from
@@ -70,6 +76,16 @@ def overheads(run, mixer, prefill: int = 131072, element_size: int = 2) -> Overh
         params=mixer.extra_params(shape, 1).total,
         pipeline_bytes=pipeline,
     )
+
+
+def experts_note(run, vanilla) -> str:
+    """The line the table of an MoE model opens with: what its shares are of (``vanilla``:
+    the vanilla :class:`~depthmix.mixers.base.Mixer`)."""
+    e, f = run.model.experts, flops_per_token(run, vanilla)
+    return (f"experts: {e.num_experts} routed, top-{e.top_k} a token; '% of model' is of the "
+            f"vanilla forward by activated parameters ({human(f['forward'])} a token, of "
+            f"which MoE layers {human(f['moe'])}); the mixers' own costs do not depend on "
+            "the experts")
 
 
 def table(rows: List[Overheads], prefill: int) -> str:

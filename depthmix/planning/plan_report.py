@@ -13,7 +13,12 @@ from depthmix.config.schema import RunConfig, overlap_at
 from depthmix.planning import step_time
 from depthmix.planning.planner import Candidate, Cluster, evaluate, gib, plan
 from depthmix.planning.step_time import TERMS
-from depthmix.planning.units import GIB
+from depthmix.planning.units import GIB, fmt_bytes
+
+
+def terms_of(run: RunConfig) -> tuple:
+    """The step-time terms the report shows: the all-to-all only with experts."""
+    return TERMS if run.model.experts else tuple(k for k in TERMS if k != "a2a")
 
 
 def why_slower(loser: Candidate, winner: Candidate) -> str:
@@ -54,9 +59,54 @@ def assumptions(run: RunConfig, cluster: Cluster) -> List[str]:
         f"{_on(p.overlap_grad_reduce, 'on at DP > 1')} (parallel.overlap_grad_reduce), "
         f"parameter gather with forward: "
         f"{_on(p.overlap_param_gather, 'on with the distributed optimizer')} "
-        f"(parallel.overlap_param_gather); TP and P2P "
+        f"(parallel.overlap_param_gather); TP{', all-to-all' if m.experts else ''} and P2P "
         "communication not overlapped",
-    ]
+    ] + ([experts_assumption(run)] if m.experts else [])
+
+
+def experts_assumption(run: RunConfig) -> str:
+    e = run.model.experts
+    return (f"experts: {e.num_experts} routed, top-{e.top_k}; FLOPs count the activated "
+            "parameters; parallel.ep searched over the divisors of dp that divide "
+            "model.moe.num_experts; memory and the all-to-all at a balanced router")
+
+
+def experts_line(run: RunConfig, budget: float, chosen: Candidate) -> Optional[str]:
+    """With experts: what the chosen layout's MoE layers save, and what routing at its
+    bound would add (the plan fits a balanced router)."""
+    if not run.model.experts:
+        return None
+    e, peak = run.model.experts, chosen.peak_rank
+    bound = ("every token of the EP group routed to one rank's experts (dropless)"
+             if e.dropless else f"every expert at capacity (model.moe.capacity_factor="
+             f"{e.capacity_factor})")
+    fits = "within" if chosen.peak_bytes + peak.routing_bound_bytes <= budget else "over"
+    return (f"experts: the chosen layout's MoE layers save "
+            f"{fmt_bytes(peak.moe_activation_bytes)} on pp rank {peak.pp_rank} at a balanced "
+            f"router; with {bound} {fmt_bytes(peak.routing_bound_bytes)} more ({fits} the "
+            "memory budget)")
+
+
+def refused_expert_parallel(run: RunConfig, cluster: Cluster) -> Optional[str]:
+    """A note when the option checks refused every ``parallel.ep > 1`` layout."""
+    from depthmix.config.schema import ConfigError
+    from depthmix.config.validate import validate
+    from depthmix.planning.planner import candidates
+
+    if not run.model.experts:
+        return None
+    tried = [lay for lay in candidates(run, cluster) if lay.ep > 1]
+    reasons = []
+    for lay in tried:
+        try:
+            validate(lay.apply(run, cluster.gpus), cluster.gpus)
+            return None
+        except ConfigError as error:
+            reasons.append(str(error))
+    if not tried:
+        return None
+    return (f"note: the {len(tried)} layouts with parallel.ep > 1 were refused by the "
+            f"option checks ({reasons[0]})")
 
 
 def small_batch_warning(run: RunConfig, mixer, cluster: Cluster,
@@ -134,11 +184,12 @@ def report(run: RunConfig, mixer, cluster: Cluster, argv: Sequence[str], top: in
     if warning:
         w(f"{warning}\n")
     w(f"{len(everyone)} valid layouts, {len(fitting)} fit memory\n\n")
+    terms = terms_of(run)
     rows = [[c.layout.short(), f"{c.step_seconds:.3f}", f"{c.tokens_per_s:,.0f}",
-             f"{c.peak_bytes / GIB:.1f}", *[f"{c.seconds[k]:.3f}" for k in TERMS],
+             f"{c.peak_bytes / GIB:.1f}", *[f"{c.seconds[k]:.3f}" for k in terms],
              "chosen" if c is win else why_slower(c, win)] for c in fitting[:top]]
-    w(tabulate(rows, ["layout", "step s", "tokens/s", "peak GiB", *TERMS, "why slower"],
-               tablefmt="plain", colalign=("left", *["right"] * (3 + len(TERMS)), "left"),
+    w(tabulate(rows, ["layout", "step s", "tokens/s", "peak GiB", *terms, "why slower"],
+               tablefmt="plain", colalign=("left", *["right"] * (3 + len(terms)), "left"),
                disable_numparse=True) + "\n")
     too_big = [c for c in everyone if c not in fitting]
     if too_big:
@@ -148,8 +199,12 @@ def report(run: RunConfig, mixer, cluster: Cluster, argv: Sequence[str], top: in
     note = overlap_note(run, mixer, cluster, win)
     if note:
         w(f"{note}\n")
+    budget = (cluster.kind().memory_gib - cluster.reserve_gib) * GIB
+    for line in (experts_line(run, budget, win), refused_expert_parallel(run, cluster)):
+        if line:
+            w(f"{line}\n")
     for line in measured_lines(run, mixer, cluster):
         w(f"{line}\n")
-    w("\nchosen:\n  depthmix-train " + " ".join([*argv, *win.layout.overrides(cluster.gpus)])
-      + "\n")
+    overrides = win.layout.overrides(cluster.gpus, experts=run.model.experts is not None)
+    w("\nchosen:\n  depthmix-train " + " ".join([*argv, *overrides]) + "\n")
     return win

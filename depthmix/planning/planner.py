@@ -5,12 +5,15 @@
 
 Every other override composes the run as ``depthmix-train`` would (model, mixer, train
 preset, ...). The planner enumerates tensor/pipeline/virtual/data-parallel sizes, micro
-batch, full recomputation, sequence parallelism and the distributed optimizer; keeps the
+batch, full recomputation, sequence parallelism and the distributed optimizer, and with
+experts (``model.moe``) the expert-parallel size (``parallel.ep``: every divisor of the
+data-parallel size that divides the experts); keeps the
 layouts whose every pipeline rank fits the device memory less a reserve
 (:mod:`depthmix.planning.memory`, the dry run's model); and ranks them by one step's time
 (:mod:`depthmix.planning.step_time`: compute at an MFU that falls for small GEMMs, a fixed
-cost per micro-batch and pipeline stage, the pipeline bubble, TP, P2P and the data-parallel
-communication left exposed by ``parallel.overlap_*``); its constants, their sources and
+cost per micro-batch and pipeline stage, the pipeline bubble, TP, the experts' all-to-all,
+P2P and the data-parallel communication left exposed by ``parallel.overlap_*``); its
+constants, their sources and
 the calibration against published layouts (:mod:`depthmix.planning.calibration`) are in
 docs/scaling.md. The report (:mod:`depthmix.planning.plan_report`) prints what it assumed
 first. Cluster defaults (:data:`GPU_KINDS`) are the device table's peaks, memory
@@ -111,26 +114,31 @@ class Layout:
     recompute: str
     sequence_parallel: bool
     distributed_optimizer: bool
+    ep: int = 1
+    """Expert-parallel size (1 without experts)."""
 
     def apply(self, run: RunConfig, gpus: int) -> RunConfig:
         parallel = dataclasses.replace(
-            run.parallel, tp=self.tp, pp=self.pp, vp=self.vp, dp=None,
+            run.parallel, tp=self.tp, pp=self.pp, vp=self.vp, dp=None, ep=self.ep,
             sequence_parallel=self.sequence_parallel,
             distributed_optimizer=self.distributed_optimizer, recompute=self.recompute,
             world_size=gpus)
         train = dataclasses.replace(run.train, micro_batch_size=self.micro_batch)
         return dataclasses.replace(run, parallel=parallel, train=train)
 
-    def overrides(self, gpus: int) -> List[str]:
+    def overrides(self, gpus: int, experts: bool = False) -> List[str]:
+        """``experts``: the model has them (``parallel.ep`` is then part of the layout)."""
         return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}",
                 f"parallel.vp={'null' if self.vp is None else self.vp}",
                 f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
                 f"parallel.distributed_optimizer={str(self.distributed_optimizer).lower()}",
                 f"parallel.recompute={self.recompute}", f"parallel.world_size={gpus}",
-                f"train.micro_batch_size={self.micro_batch}"]
+                f"train.micro_batch_size={self.micro_batch}"] \
+            + ([f"parallel.ep={self.ep}"] if experts else [])
 
     def short(self) -> str:
         vp = f" vp{self.vp}" if self.vp else ""
+        vp += f" ep{self.ep}" if self.ep > 1 else ""
         flags = [f for f, on in (("sp", self.sequence_parallel),
                                  ("distopt", self.distributed_optimizer),
                                  ("recompute", self.recompute == "full")) if on]
@@ -163,7 +171,14 @@ def _divisors(n: int) -> List[int]:
 
 def layouts(run: RunConfig, cluster: Cluster) -> List[Layout]:
     """Every layout the training config accepts at ``cluster.gpus`` (the option checks)."""
+    return [lay for lay in candidates(run, cluster)
+            if _accepted(lay.apply(run, cluster.gpus), cluster.gpus)]
+
+
+def candidates(run: RunConfig, cluster: Cluster) -> List[Layout]:
+    """Every layout the planner enumerates, before the option checks."""
     m, t, kind = run.model, run.train, cluster.kind()
+    experts = m.experts.num_experts if m.experts else 0
     out = []
     for tp in _divisors(min(kind.gpus_per_node, cluster.gpus)):
         if m.num_attention_heads % tp or m.num_query_groups % tp:
@@ -178,11 +193,12 @@ def layouts(run: RunConfig, cluster: Cluster) -> List[Layout]:
                     continue
                 if vp and (t.global_batch_size // (mb * dp)) % pp:
                     continue
+                eps = [ep for ep in _divisors(dp) if experts % ep == 0] if experts else [1]
                 for sp in ([False, True] if tp > 1 else [False]):
                     for distopt in ([False, True] if dp > 1 else [False]):
-                        for rc in ("none", "full"):
-                            out.append(Layout(tp, pp, vp, dp, mb, rc, sp, distopt))
-    return [lay for lay in out if _accepted(lay.apply(run, cluster.gpus), cluster.gpus)]
+                        for rc, ep in ((r, e) for r in ("none", "full") for e in eps):
+                            out.append(Layout(tp, pp, vp, dp, mb, rc, sp, distopt, ep))
+    return out
 
 
 def _accepted(run: RunConfig, gpus: int) -> bool:
@@ -201,8 +217,7 @@ def evaluate(run: RunConfig, mixer, lay: Layout, cluster: Cluster,
     flops = flops if flops is not None else flops_per_token(run, mixer)["train"]
     ranks = memory.estimate(r, mixer, cluster.gpus)
     peak = max(ranks, key=lambda x: x.total_bytes)
-    seconds = step_time(r, lay, cluster.kind(), ranks, flops, max(x.params for x in ranks),
-                        cluster.gpus)
+    seconds = step_time(r, lay, cluster.kind(), ranks, flops, cluster.gpus)
     return Candidate(lay, peak.total_bytes, peak, seconds,
                      r.train.global_batch_size * r.model.seq_length)
 

@@ -10,13 +10,22 @@ layouts by (:mod:`depthmix.planning.planner`). Terms, per step, on the slowest r
     bubble    (compute + recompute + stage) x (pp - 1) / (vp x micro-batches)
     tp        per layer and micro-batch 4 all-reduces (2 forward, 2 backward; SP's
               all-gather + reduce-scatter move the same bytes) of b s h e bytes,
-              2 (tp - 1) / tp of it per GPU over NVLink (+2 with recompute); not overlapped
+              2 (tp - 1) / tp of it per GPU over NVLink (+2 with recompute); not overlapped.
+              An MoE layer's experts (expert TP = tp) gather and scatter their k routed
+              rows a token instead of the MLP's one: 2 + 2k (+2 for a shared expert),
+              +1 + k (+1) with recompute
+    a2a       with experts: per MoE layer on the rank and micro-batch, the dispatch and
+              combine all-to-alls forward and backward (4; 6 with recompute), each
+              sending (ep - 1) / ep of the rank's b s / t x k x h e routed bytes, over
+              NVLink when the EP group (tp x ep consecutive ranks) is inside a node,
+              else the network; not overlapped
     p2p       per micro-batch and chunk, the transport's wire bytes forward and back, over
               NVLink when neighbouring stages share a node, else the network
     dp        gradient all-reduce 2 (dp - 1) / dp x 4 bytes a parameter, or with the
               distributed optimizer reduce-scatter (4 bytes) + parameter all-gather
               (weight bytes), (dp - 1) / dp each; over the network when the DP group
-              spans nodes. With ``parallel.overlap_grad_reduce`` the reduction runs in
+              spans nodes; the routed experts' over their expert-data-parallel group of
+              dp / ep ranks. With ``parallel.overlap_grad_reduce`` the reduction runs in
               buckets during the last micro-batch's backward (Megatron accumulates the
               others locally): exposed = max(last bucket, reduction - that backward).
               With ``parallel.overlap_param_gather`` (distributed optimizer) the gather
@@ -39,8 +48,10 @@ from typing import Optional
 
 from depthmix.config.schema import RunConfig, overlap_at
 from depthmix.planning import gpu_runs, memory
+from depthmix.planning.experts import Experts
+from depthmix.planning.pipeline import PipelineLayout
 
-TERMS = ("compute", "recompute", "stage", "bubble", "tp", "p2p", "dp")
+TERMS = ("compute", "recompute", "stage", "bubble", "tp", "a2a", "p2p", "dp")
 
 GEMM_HALF_WORK = 2.0e9
 """``b s h (h / tp)`` at which a layer's GEMMs run at half the large-GEMM efficiency."""
@@ -94,8 +105,7 @@ def _exposed(total: float, window: float, bucket: float) -> float:
     return max(min(total, bucket), total - window)
 
 
-def step_time(run: RunConfig, lay, kind, ranks, flops_per_token: float, params_per_rank: int,
-              gpus: int) -> dict:
+def step_time(run: RunConfig, lay, kind, ranks, flops_per_token: float, gpus: int) -> dict:
     """Seconds per step by :data:`TERMS` (module doc). ``lay``: the planner's layout,
     ``kind``: its GPU kind, ``ranks``: the memory model's pipeline ranks."""
     m, t, p = run.model, run.train, run.parallel
@@ -110,38 +120,70 @@ def step_time(run: RunConfig, lay, kind, ranks, flops_per_token: float, params_p
     stage = num_micro * vp * c.stage_seconds
     bubble = (compute + recompute + stage) * (lay.pp - 1) / (vp * num_micro)
     layers_here = m.num_layers * m.n_loops // lay.pp
-    collectives = 4 + (2 if lay.recompute == "full" else 0)
+    moe = Experts.of(run)
+    moe_here = _moe_layers_per_rank(run, lay) if moe else 0
+    again = lay.recompute == "full"
+    collectives = layers_here * (4 + 2 * again)
+    if moe:  # the MLP's pair of collectives carries k routed rows (+ the shared expert's)
+        pair = moe.top_k + (moe.shared_ffn > 0)
+        collectives += moe_here * (2 + again) * (pair - 1)
     size = lay.micro_batch * m.seq_length * m.hidden_size * e
-    tp = (layers_here * num_micro * collectives * 2 * (lay.tp - 1) / lay.tp * size
+    tp = (num_micro * collectives * 2 * (lay.tp - 1) / lay.tp * size
           / (kind.nvlink_gbs * 1e9))
+    a2a = 0.0
+    if moe and lay.ep > 1:
+        sent = moe.alltoall_bytes(lay.micro_batch * m.seq_length, lay.tp, p.sequence_parallel,
+                                  lay.ep, e)
+        bw = kind.nvlink_gbs if lay.tp * lay.ep <= kind.gpus_per_node else kind.network_gbs
+        a2a = num_micro * moe_here * (4 + 2 * again) * sent / (bw * 1e9)
     stage_stride = lay.tp * lay.dp  # Megatron's rank order: tp fastest, pp outermost
     p2p_bw = kind.nvlink_gbs if stage_stride < kind.gpus_per_node else kind.network_gbs
     wire = max(r.wire_bytes for r in ranks)
     p2p = num_micro * vp * 2 * wire / (p2p_bw * 1e9) if lay.pp > 1 else 0.0
-    dp = _dp_seconds(run, lay, kind, params_per_rank, (compute + recompute) / num_micro)
+    biggest = max(ranks, key=lambda r: r.params)
+    dp = _dp_seconds(run, lay, kind, biggest.params - biggest.expert_params,
+                     biggest.expert_params, (compute + recompute) / num_micro)
     return {"compute": compute, "recompute": recompute, "stage": stage, "bubble": bubble,
-            "tp": tp, "p2p": p2p, "dp": dp}
+            "tp": tp, "a2a": a2a, "p2p": p2p, "dp": dp}
 
 
-def _dp_seconds(run: RunConfig, lay, kind, params: int, per_micro: float) -> float:
-    """Exposed data-parallel communication (module doc); ``per_micro``: one micro-batch's
-    forward + backward compute on a rank."""
+def _moe_layers_per_rank(run: RunConfig, lay) -> int:
+    """MoE layers (unrolled) on the pipeline rank that holds the most."""
+    moe, m = Experts.of(run), run.model
+    layout = PipelineLayout(m.num_layers, lay.pp, lay.vp or 1)
+    per_rank = [0] * lay.pp
+    for c in range(layout.num_chunks):
+        per_rank[layout.rank_of(c)] += sum(moe.is_moe(i) for i in layout.layers(c))
+    return max(per_rank) * m.n_loops
+
+
+def _dp_seconds(run: RunConfig, lay, kind, params: int, expert_params: int,
+                per_micro: float) -> float:
+    """Exposed data-parallel communication (module doc); ``params``: the rank's parameters
+    but the routed experts', ``expert_params`` those (reduced over ``dp / ep`` ranks);
+    ``per_micro``: one micro-batch's forward + backward compute on a rank."""
     if lay.dp == 1:
         return 0.0
     p = run.parallel
     bw = (kind.network_gbs if lay.tp * lay.dp > kind.gpus_per_node else kind.nvlink_gbs) * 1e9
-    share = (lay.dp - 1) / lay.dp
+    edp = lay.dp // lay.ep
+    share, expert_share = (lay.dp - 1) / lay.dp, (edp - 1) / edp
+    # per parameter: fp32 gradients reduce-scattered (all-reduced: twice) and, with the
+    # distributed optimizer, weights all-gathered
+    grad = 4 if lay.distributed_optimizer else 2 * 4
     weights = memory.state_bytes_per_param(run.train.precision, False, 1)["weights"]
-    grad_bytes = 4 * share if lay.distributed_optimizer else 2 * 4 * share
-    reduce = params * grad_bytes / bw
-    bucket = min(params, bucket_params(run, lay.dp))
+    grad_bytes = params * grad * share + expert_params * grad * expert_share
+    reduce = grad_bytes / bw
+    total = params + expert_params
+    bucket = min(total, bucket_params(run, lay.dp))
     backward = per_micro * 2 / 3
     overlap = overlap_at(p, lay.dp, lay.distributed_optimizer)
     if overlap.grad_reduce:
-        reduce = _exposed(reduce, backward, bucket * grad_bytes / bw)
+        reduce = _exposed(reduce, backward, bucket * grad_bytes / total / bw)
     if not lay.distributed_optimizer:
         return reduce
-    gather = params * weights * share / bw
+    gather_bytes = (params * share + expert_params * expert_share) * weights
+    gather = gather_bytes / bw
     if overlap.param_gather:
-        gather = _exposed(gather, per_micro / 3, bucket * weights * share / bw)
+        gather = _exposed(gather, per_micro / 3, bucket * gather_bytes / total / bw)
     return reduce + gather
