@@ -105,6 +105,78 @@ def _write(state: DepthState, source: Source, key: Tensor, value: Tensor) -> Non
     state[k_name], state[v_name] = key, value
 
 
+class _GrowDepthKV(torch.autograd.Function):
+    """A layer's depth keys and values ``[s, b, ng, D, hn]`` from the previous reader's
+    (``prefix``, ``D'`` entries) and the entries written since (``new``: keys, then as many
+    values): ``cat(prefix, stack(new))``, each way.
+
+    Stacking every entry anew at every layer costs autograd one ``select`` per entry and
+    reader backward, and one ``add`` per entry and extra reader to sum an entry's gradient
+    over the layers that read it: O(depth) calls a layer. Grown from the previous reader's
+    tensor, the readers' gradients are summed on the stacks instead, one ``add`` a layer,
+    and each entry's gradient leaves its stack once (two view ops here, each way). The
+    sums are the same additions in the same order: bit for bit the per-entry stacks'."""
+
+    @staticmethod
+    def forward(ctx, k_prefix, v_prefix, *new):
+        n = len(new) // 2
+        ctx.sizes = (k_prefix.shape[3], n)
+        return (torch.cat((k_prefix, torch.stack(new[:n], dim=3)), dim=3),
+                torch.cat((v_prefix, torch.stack(new[n:], dim=3)), dim=3))
+
+    @staticmethod
+    def backward(ctx, grad_k, grad_v):
+        k_prefix, k_new = grad_k.split(ctx.sizes, dim=3)
+        v_prefix, v_new = grad_v.split(ctx.sizes, dim=3)
+        return (k_prefix, v_prefix, *k_new.unbind(3), *v_new.unbind(3))
+
+
+_STACKS = "moda/depth_kv"
+"""``ctx.extras`` key of the last reader's ``(key names, key entries, value entries, depth
+keys, depth values)`` in this forward (eager only)."""
+
+
+def depth_kv(state: DepthState, names: Tuple[Tuple[str, ...], Tuple[str, ...]],
+             ctx: ForwardContext) -> Tuple[Tensor, Tensor]:
+    """The ``[s, b, ng, D, hn]`` depth keys and values of the entries ``names`` (key names,
+    value names), oldest first: grown from the previous reader's stacks in this forward
+    (:class:`_GrowDepthKV`) where those stacked the same tensors (by identity: a
+    recomputed layer's inputs are new tensors) and ``names`` continues theirs, else
+    stacked. Compiled layers stack (Inductor fuses the stacks; the cache would be state
+    outside the graph)."""
+    k_names, v_names = names
+    if torch.compiler.is_compiling():
+        return (torch.stack([state[n] for n in k_names], dim=3),
+                torch.stack([state[n] for n in v_names], dim=3))
+    keys = tuple(state[n] for n in k_names)
+    values = tuple(state[n] for n in v_names)
+    grown = _grow(ctx.extras.get(_STACKS), k_names, keys, values)
+    if grown is None:
+        grown = torch.stack(keys, dim=3), torch.stack(values, dim=3)
+    ctx.extras[_STACKS] = (k_names, keys, values, *grown)
+    return grown
+
+
+def _grow(previous, k_names, keys, values) -> Optional[Tuple[Tensor, Tensor]]:
+    if previous is None:
+        return None
+    old_names, old_keys, old_values, k_stack, v_stack = previous
+    # the window may have dropped the oldest entries: the previous names' tail is ours' head
+    try:
+        drop = old_names.index(k_names[0])
+    except ValueError:
+        return None
+    kept = len(old_names) - drop
+    if kept >= len(k_names) or old_names[drop:] != k_names[:kept]:
+        return None
+    if any(a is not b for a, b in zip(old_keys[drop:], keys)) or any(
+            a is not b for a, b in zip(old_values[drop:], values)):
+        return None
+    if drop:
+        k_stack, v_stack = k_stack.narrow(3, drop, kept), v_stack.narrow(3, drop, kept)
+    return _GrowDepthKV.apply(k_stack, v_stack, *keys[kept:], *values[kept:])
+
+
 class MoDADepthMixer(MegatronModule):
     """``self_attention.depth_mixer``: writes the layer's attention depth entry, stacks
     the entries it reads into ``[s, b, ng, D, hn]`` and hands them to the core attention."""
@@ -114,11 +186,20 @@ class MoDADepthMixer(MegatronModule):
         super().__init__(config=config)
         self.geo = MoDAGeometry.from_config(config)
         self.num_sources = 2 * self.geo.unrolled
+        self._names: dict = {}
         unique = layer_number - 1
         self.proj = (
             DepthKVProjection(config, layer_number, ATTN)
             if config.mixer.attn_kv_proj and self.geo.has_projection(unique, ATTN) else None
         )
+
+    def _entry_names(self, layer: int) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+        """The key and value entry names unrolled layer ``layer`` reads, oldest first."""
+        names = self._names.get(layer)
+        if names is None:
+            pairs = [s.entry_names() for s in self.geo.visible(layer)]
+            names = self._names[layer] = (tuple(k for k, _ in pairs), tuple(v for _, v in pairs))
+        return names
 
     def project_input(self, hidden_states: Tensor, state: DepthState, ctx: ForwardContext):
         """``attn_kv_proj``: the attention input's own depth projection (called by
@@ -136,8 +217,7 @@ class MoDADepthMixer(MegatronModule):
             if ctx.stats is not None:
                 self._record(ctx, sources, None)
             return key, value, {}
-        depth_key = torch.stack([state[s.entry_names()[0]] for s in sources], dim=3)
-        depth_value = torch.stack([state[s.entry_names()[1]] for s in sources], dim=3)
+        depth_key, depth_value = depth_kv(state, self._entry_names(ctx.layer), ctx)
         kwargs = {"depth_key": depth_key, "depth_value": depth_value}
         if ctx.stats is not None:
             kwargs["depth_stats"] = lambda weights: self._record(ctx, sources, weights)
