@@ -88,9 +88,10 @@ def peer_models(run: RunConfig, head_dim: int) -> List[Peer]:
     return peers + ([hf] if hf is not None else [])
 
 
-def time_forward_backward(models: List[Peer], batch, steps: int, warmup: int) -> dict:
-    """Median seconds of forward+backward per model (no optimizer), stepped round-robin so
-    that machine drift hits them alike."""
+def forward_backward_rounds(models: List[Peer], batch, steps: int, warmup: int) -> dict:
+    """Seconds of forward+backward (no optimizer) of each model in each of ``steps``
+    rounds after ``warmup``; a round steps every model once, in turn, so that machine
+    drift hits them alike (and a round's ratios compare neighbours in time)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     x, pos = batch
     times = {name: [] for name, _, _ in models}
@@ -103,4 +104,17 @@ def time_forward_backward(models: List[Peer], batch, steps: int, warmup: int) ->
             model.zero_grad(set_to_none=True)
             if step >= warmup:
                 times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def time_forward_backward(models: List[Peer], batch, steps: int, warmup: int) -> dict:
+    """Median seconds of forward+backward per model (:func:`forward_backward_rounds`)."""
+    return {name: statistics.median(t)
+            for name, t in forward_backward_rounds(models, batch, steps, warmup).items()}
+
+
+def round_ratios(times: dict, base: str) -> dict:
+    """Per model, the median over rounds of its time over ``base``'s in the same round
+    (steadier than the ratio of medians on a machine whose load drifts)."""
+    return {name: statistics.median(a / b for a, b in zip(t, times[base]))
+            for name, t in times.items()}

@@ -19,6 +19,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def built_interpreted() -> bool:
+    """:func:`interpreting` read once: the mode ``triton.jit`` built this process's kernels
+    in (it decides when a kernel module is imported), for the launchers' tile choices at
+    every call (an environment lookup a launch otherwise)."""
+    return interpreting()
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation / statistics dtype: fp32 for 16-bit and fp32 inputs, fp64 for fp64
     (like the references)."""
@@ -63,20 +71,23 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def add_to_main_grad(param: Tensor, grad: Optional[Tensor]) -> Optional[Tensor]:
-    """A parameter's gradient computed by a kernel op, accumulated the way Megatron's own
-    linear layers do with ``gradient_accumulation_fusion``: where Megatron's DDP gave the
+def add_to_main_grads(params: Sequence[Optional[Tensor]],
+                      grads: Sequence[Optional[Tensor]]) -> Tuple[Optional[Tensor], ...]:
+    """Parameter gradients computed by a kernel op, accumulated the way Megatron's own
+    linear layers do with ``gradient_accumulation_fusion``: where Megatron's DDP gave a
     parameter a ``main_grad`` buffer (it sets ``grad_added_to_main_grad`` on every
-    parameter it holds), ``grad`` is added to it here and flagged, so the DDP's gradient
-    hook skips its own ``param.grad.data`` and add; ``grad`` is returned either way, as
-    the gradient autograd hands the parameter (a placeholder under the flag, dropped by
-    the hook). Eager calls only (a compiled graph may not write ``main_grad``)."""
-    if grad is None or not hasattr(param, "grad_added_to_main_grad") or getattr(
-            param, "zero_out_wgrad", False) or torch.compiler.is_compiling():
-        return grad
-    param.main_grad.add_(grad)
-    param.grad_added_to_main_grad = True
-    return grad
+    parameter it holds), its gradient is added to it here and flagged, so the DDP's
+    gradient hook skips its own ``param.grad.data`` and add. The gradients come back
+    either way, as the ones autograd hands the parameters (placeholders under the flag,
+    dropped by the hook). Eager calls only (a compiled graph may not write ``main_grad``)."""
+    if torch.compiler.is_compiling():
+        return tuple(grads)
+    for param, grad in zip(params, grads):
+        if (grad is not None and hasattr(param, "grad_added_to_main_grad")
+                and not getattr(param, "zero_out_wgrad", False)):
+            param.main_grad.add_(grad)
+            param.grad_added_to_main_grad = True
+    return tuple(grads)
 
 
 def last_dim_contiguous(*tensors: Optional[Tensor]) -> List[Optional[Tensor]]:

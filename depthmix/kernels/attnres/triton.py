@@ -39,6 +39,7 @@ fixed order (no atomics).
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -204,6 +205,7 @@ def attnres_bwd_kernel(
 # ---------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _tiles(d: int) -> Tuple[int, int, int]:
     """(BT tokens, BD hidden lanes, num_warps) for hidden size ``d``: about 2K elements
     per program, 8 per thread (a 16-byte vector for bf16)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from depthmix.kernels._common import KernelOp, acc_dtype, add_to_main_grad, empty_like_contiguous
+from depthmix.kernels._common import KernelOp, acc_dtype, add_to_main_grads, empty_like_contiguous
 from depthmix.kernels.ddl import triton as kernels
 from depthmix.kernels.ddl.reference import DDLOps
 
@@ -28,7 +28,7 @@ def _read_setup(ctx, inputs, output):
 def _read_gradient(ctx, backward, grad):
     x, read = ctx.saved_tensors
     dx, dread = backward(x, read, grad.contiguous())
-    return dx, add_to_main_grad(ctx.read, dread)
+    return dx, *add_to_main_grads((ctx.read,), (dread,))
 
 
 read_op = KernelOp("depthmix::ddl_read", kernels.ddl_read_fwd, kernels.ddl_read_bwd,
@@ -61,8 +61,8 @@ def _write_gradient(ctx, backward, grad, _dstats):
     x, y, x_in, beta_weight, v_weight, stats = ctx.saved_tensors
     dx, dy, dx_in, dparams = backward(x, y, x_in, beta_weight, v_weight, stats, ctx.v_scale,
                                       grad.contiguous())
-    dw, db, dwv, dbv = (add_to_main_grad(p, g) for p, g in zip(
-        ctx.params, kernels.split_params(dparams, *x.shape[-2:])))
+    dw, db, dwv, dbv = add_to_main_grads(ctx.params,
+                                         kernels.split_params(dparams, *x.shape[-2:]))
     return dx, dy, dx_in, dw, db, dwv, dbv, None, None
 
 

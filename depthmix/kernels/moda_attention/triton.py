@@ -39,6 +39,7 @@ tokens, which no other program touches). Deterministic: no atomics anywhere.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -613,6 +614,7 @@ class Tiles:
     num_stages: int = 2
 
 
+@functools.lru_cache(maxsize=None)
 def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True) -> Tiles:
     """Tiles for a head dim, group size ``G`` and depth capacity ``D``.
 
@@ -645,6 +647,7 @@ def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True)
     return Tiles(block_m, block_n, sub, block_d, dkdv_m, dkdv_n, warps, stages)
 
 
+@functools.lru_cache(maxsize=None)
 def _check_tiles(t: Tiles, gp: int) -> None:
     p2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
     for name in ("block_m", "block_n", "depth_sub", "block_d", "dkdv_m", "dkdv_n"):
@@ -673,6 +676,7 @@ class DepthTiles:
     num_stages: int = 2
 
 
+@functools.lru_cache(maxsize=None)
 def default_depth_tiles(head_dim: int, group: int, depth: int) -> DepthTiles:
     """Depth-kernel tiles for a head dim, group size ``G`` and depth capacity ``D``.
 
@@ -699,6 +703,7 @@ def default_depth_tiles(head_dim: int, group: int, depth: int) -> DepthTiles:
     return DepthTiles(block_m, sub, block_d, warps, stages)
 
 
+@functools.lru_cache(maxsize=None)
 def _check_depth_tiles(t: DepthTiles, gp: int) -> None:
     p2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
     for name in ("block_m", "depth_sub", "block_d"):
@@ -717,6 +722,7 @@ def _check_depth_tiles(t: DepthTiles, gp: int) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _precision(dtype: torch.dtype) -> str:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"moda_attention (Triton) takes fp32, bf16 or fp16 inputs, not {dtype}")
