@@ -19,6 +19,22 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def host_cache(fn: Callable) -> Callable:
+    """``functools.lru_cache`` for a launcher's pure helper of sizes and dtypes (tiles,
+    paddings: the same every step), computed anew where an argument is not hashable
+    (the symbolic sizes of a traced call)."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            return cached(*args)
+        except TypeError:
+            return fn(*args)
+
+    return call
+
+
 @functools.lru_cache(maxsize=None)
 def built_interpreted() -> bool:
     """:func:`interpreting` read once: the mode ``triton.jit`` built this process's kernels

@@ -37,7 +37,6 @@ parameters' gradients ``dw_beta = sum dl xn``, ``dW_v = sum du x_in^T``, ``db_be
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -45,19 +44,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depthmix.kernels._common import acc_dtype, cdiv, interpreting, next_power_of_2, tl_dtype
+from depthmix.kernels._common import (
+    acc_dtype,
+    cdiv,
+    host_cache,
+    interpreting,
+    next_power_of_2,
+    tl_dtype,
+)
 
 K_EPS = 1e-5
 """As :data:`depthmix.kernels.ddl.reference.K_EPS`."""
 
 
-@functools.lru_cache(maxsize=None)
 def saved_width(dv: int) -> int:
     """Floats per token the update keeps for its backward: ``r_k, r_x, beta, w.xn, v, p``."""
     return 4 + 2 * dv
 
 
-@functools.lru_cache(maxsize=None)
 def stats_width(dv: int) -> int:
     """Columns of the update's statistics: :func:`saved_width`, then room for the
     backward's per-token ``dl, dl r_x, du`` (``2 + d_v``; written by an eager backward
@@ -297,7 +301,7 @@ def ddl_write_params_kernel(
 
 # The interpreter runs programs one by one in numpy: few, large tiles there (still more
 # than one chunk of h in the update for h > 128, more than one token tile above 32 tokens).
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _read_tiles(h: int, bdv: int) -> Tuple[int, int]:
     """(BT, BH) of the read kernels: about 2K state elements a program."""
     if interpreting():
@@ -306,7 +310,7 @@ def _read_tiles(h: int, bdv: int) -> Tuple[int, int]:
     return max(1, 2048 // (bh * bdv)), bh
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _write_tiles(h: int, bdv: int) -> Tuple[int, int]:
     """(BT, BH) of the update kernels: ``[BT, BH, BDV]`` chunks of about 2K elements."""
     if interpreting():
@@ -315,13 +319,13 @@ def _write_tiles(h: int, bdv: int) -> Tuple[int, int]:
     return max(1, min(16, 2048 // (bh * bdv))), bh
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _params_tiles(h: int) -> int:
     """BH of the parameter-gradient kernel: one program per 16 hidden columns."""
     return min(next_power_of_2(h), 128 if interpreting() else 16)
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _bdv(dv: int) -> int:
     return max(2, next_power_of_2(dv))
 

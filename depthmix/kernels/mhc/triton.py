@@ -31,7 +31,6 @@ iterations of an ``n x n`` matrix in registers (190 for ``K = 20``), no workspac
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
@@ -42,6 +41,7 @@ from depthmix.kernels._common import (
     acc_dtype,
     built_interpreted,
     cdiv,
+    host_cache,
     next_power_of_2,
     sm_count,
     tl_dtype,
@@ -555,7 +555,7 @@ def mhc_post_res_bwd_kernel(
 # ---------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _tl(dtype: torch.dtype):
     return tl_dtype(acc_dtype(dtype))
 
@@ -566,7 +566,7 @@ def _dot_precision(t: torch.Tensor) -> str:
     return "ieee" if built_interpreted() or t.dtype == torch.float64 else "tf32x3"
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _pad(n: int) -> Tuple[int, int]:
     """(NP, P2): padded streams for the res block (NP*NP >= 16) and the pre|post width."""
     return max(4, next_power_of_2(n)), max(16, next_power_of_2(2 * n))

@@ -39,7 +39,6 @@ tokens, which no other program touches). Deterministic: no atomics anywhere.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -47,7 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
-from depthmix.kernels._common import cdiv, interpreting, last_dim_contiguous, next_power_of_2
+from depthmix.kernels._common import (
+    cdiv,
+    host_cache,
+    interpreting,
+    last_dim_contiguous,
+    next_power_of_2,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -614,7 +619,7 @@ class Tiles:
     num_stages: int = 2
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True) -> Tiles:
     """Tiles for a head dim, group size ``G`` and depth capacity ``D``.
 
@@ -647,7 +652,7 @@ def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True)
     return Tiles(block_m, block_n, sub, block_d, dkdv_m, dkdv_n, warps, stages)
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _check_tiles(t: Tiles, gp: int) -> None:
     p2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
     for name in ("block_m", "block_n", "depth_sub", "block_d", "dkdv_m", "dkdv_n"):
@@ -676,7 +681,7 @@ class DepthTiles:
     num_stages: int = 2
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def default_depth_tiles(head_dim: int, group: int, depth: int) -> DepthTiles:
     """Depth-kernel tiles for a head dim, group size ``G`` and depth capacity ``D``.
 
@@ -703,7 +708,7 @@ def default_depth_tiles(head_dim: int, group: int, depth: int) -> DepthTiles:
     return DepthTiles(block_m, sub, block_d, warps, stages)
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _check_depth_tiles(t: DepthTiles, gp: int) -> None:
     p2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
     for name in ("block_m", "depth_sub", "block_d"):
@@ -722,7 +727,7 @@ def _check_depth_tiles(t: DepthTiles, gp: int) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def _precision(dtype: torch.dtype) -> str:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"moda_attention (Triton) takes fp32, bf16 or fp16 inputs, not {dtype}")
