@@ -21,7 +21,8 @@ no-ops (Triton's interpreter would otherwise be the whole time): everything up t
 launch runs (checks, allocations, the autograd and custom-op machinery, the launchers' tile
 choice), the launch does not, so the host time of a GPU launch (Triton's argument binding
 and ``cuLaunchKernel``, a few µs) is left out; each launch zero-fills its tensor arguments
-instead (uncounted), so the step stays finite. Forward and backward run without the CPU
+instead, so the step stays finite, and the fills are neither counted nor timed (their time
+is taken out of the phase they fall in: :class:`FillTime`). Forward and backward run without the CPU
 shim's ``TorchFunctionMode`` (the optimizer keeps it: Megatron allocates on ``"cuda"`` by
 name there). Every step applies its update and clips (``train.clip_grad=1e-6``: whether a
 step clips depends on values the no-op launches zero). All models are built in one process

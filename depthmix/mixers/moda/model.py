@@ -38,6 +38,7 @@ from dataclasses import replace
 from typing import Optional, Tuple
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -85,6 +86,8 @@ class DepthKVProjection(MegatronModule):
                 config.hidden_size, 2 * ng * self.head_dim, config=config,
                 init_method=config.init_method, bias=False, gather_output=False,
                 skip_bias_add=False,
+                # one rank: no gradient to reduce, so no identity autograd Function in front
+                disable_grad_reduce=parallel_state.get_tensor_model_parallel_world_size() == 1,
             )
         self.k_layernorm = (QKNorm(config, self.head_dim, eps=config.layernorm_epsilon)
                             if config.qk_layernorm else None)
