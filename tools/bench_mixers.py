@@ -15,7 +15,7 @@ Megatron-LM counts it). CPU numbers are ratios only; absolute times mean somethi
     python tools/bench_mixers.py --peers-only --layers 8 --seq 512 --micro-batch 2 \
         --model-option hidden_size=512 --model-option ffn_hidden_size=1408 \
         --model-option num_attention_heads=8 --model-option num_query_groups=4 \
-        --steps 20                                     # ours vs HF Qwen3, CPU (issue 44)
+        --steps 20 --clock cpu                         # ours vs HF Qwen3, CPU (issue 44)
 
 ``--compile both`` adds a compiled row (``train.compile=true``) per mixer, with its ratio to
 eager vanilla and to compiled vanilla, the graphs Dynamo compiled for it (its distinct
@@ -62,6 +62,9 @@ def parse_args():
                    help="also time Megatron-Core's GPTModel and HF Qwen3 at the same shape")
     p.add_argument("--peers-only", action="store_true",
                    help="only the peer comparison (vanilla's shape; no training steps)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="the peers' clock: wall time, or this thread's CPU time with one "
+                        "intra-op thread (robust to other processes on a shared CPU)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="then profile N more steps of each model: host and GPU kernel time")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -134,12 +137,16 @@ def print_peers(vanilla_trainer, args) -> None:
     models = [("depthmix vanilla", ours, lambda x, pos: ours(x, pos, labels=x).sum())]
     models += [(n, m.to(device), f)
                for n, m, f in peer_models(run, vanilla_trainer.config.kv_channels)]
-    times = forward_backward_rounds(models, (x, pos), args.steps, args.warmup)
+    clock = time.perf_counter
+    if args.clock == "cpu":  # every op on this thread, so its CPU time is all the work
+        torch.set_num_threads(1)
+        clock = time.thread_time
+    times = forward_backward_rounds(models, (x, pos), args.steps, args.warmup, clock)
     medians = {name: statistics.median(t) for name, t in times.items()}
     ratios = round_ratios(times, "depthmix vanilla")
     base = medians["depthmix vanilla"]
     print(f"\nforward+backward, same shape, {args.steps} rounds after {args.warmup} "
-          f"(no optimizer; torch threads {torch.get_num_threads()})\n")
+          f"(no optimizer; {args.clock} clock, torch threads {torch.get_num_threads()})\n")
     print(f"{'model':<20}{'ms':>10}{'ratio':>8}{'per round':>11}{'params':>14}")
     for name, model, _ in models:
         n = sum(p.numel() for p in model.parameters())

@@ -26,11 +26,11 @@ def host_cache(fn: Callable) -> Callable:
     cached = functools.lru_cache(maxsize=None)(fn)
 
     @functools.wraps(fn)
-    def call(*args):
+    def call(*args, **kwargs):
         try:
-            return cached(*args)
+            return cached(*args, **kwargs)
         except TypeError:
-            return fn(*args)
+            return fn(*args, **kwargs)
 
     return call
 
