@@ -21,7 +21,8 @@ no-ops (Triton's interpreter would otherwise be the whole time): everything up t
 launch runs (checks, allocations, the autograd and custom-op machinery, the launchers' tile
 choice), the launch does not, so the host time of a GPU launch (Triton's argument binding
 and ``cuLaunchKernel``, a few µs) is left out; each launch zero-fills its tensor arguments
-instead (uncounted), so the step stays finite. Forward and backward run without the CPU
+instead, so the step stays finite, and the fills are neither counted nor timed (their time
+is taken out of the phase they fall in: :class:`FillTime`). Forward and backward run without the CPU
 shim's ``TorchFunctionMode`` (the optimizer keeps it: Megatron allocates on ``"cuda"`` by
 name there). Every step applies its update and clips (``train.clip_grad=1e-6``: whether a
 step clips depends on values the no-op launches zero). All models are built in one process
@@ -136,13 +137,23 @@ def _backend_keys(args):
     return None
 
 
+class FillTime:
+    """Seconds spent zero-filling in place of launches (:func:`no_kernel_launches`), on
+    both clocks: :class:`Phases` takes them out of the phase it falls in, as no GPU run
+    has them."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+
 @contextlib.contextmanager
 def no_kernel_launches(zero_fill: bool = True):
     """Every Triton ``kernel[grid](...)`` a no-op that zero-fills its floating tensor
     arguments, inputs too (the outputs are uninitialised allocations: zeros keep the step
-    finite), outside any dispatch mode (neither counted nor timed as ATen calls of ours).
-    The attnres backward writes its source gradients through a pointer table: those are
-    zeroed after its launcher returns."""
+    finite), outside any dispatch mode (neither counted nor timed as ATen calls of ours:
+    yields the :class:`FillTime` that sums the fills' time). The attnres backward writes
+    its source gradients through a pointer table: those are zeroed after its launcher
+    returns."""
     from unittest import mock
 
     from triton.runtime.jit import KernelInterface
@@ -150,11 +161,16 @@ def no_kernel_launches(zero_fill: bool = True):
 
     from depthmix.kernels.attnres import function as attnres
 
+    spent = FillTime()
+
     def zero(tensors):
+        w0, c0 = time.perf_counter(), time.thread_time()
         with _disable_current_modes(), torch.no_grad():
             for t in tensors:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
                     t.data.zero_()  # .data: autograd's version counters untouched
+        spent.wall += time.perf_counter() - w0
+        spent.cpu += time.thread_time() - c0
 
     def fill(*args, **kwargs):
         if zero_fill:
@@ -171,7 +187,7 @@ def no_kernel_launches(zero_fill: bool = True):
 
     with mock.patch.object(KernelInterface, "__getitem__", lambda self, grid: fill), \
             mock.patch.object(attnres, "attnres_bwd", attnres_bwd):
-        yield
+        yield spent
 
 
 # ---- one model per row --------------------------------------------------------------------
@@ -204,11 +220,13 @@ def build_run(mixer: str, impl: str, compiled: bool, args):
 
 class Phases:
     """Times and labels the phases of a training step: Megatron's ``forward_step`` and
-    ``backward_step`` (patched in its schedules module) and our ``optimizer_step``."""
+    ``backward_step`` (patched in its schedules module) and our ``optimizer_step``, less
+    the time ``fills`` (a :class:`FillTime`) counts in them."""
 
-    def __init__(self):
+    def __init__(self, fills: "FillTime | None" = None):
         self.wall, self.cpu = Counter(), Counter()  # seconds per phase in the current step
         self.counter = None
+        self.fills = fills or FillTime()
 
     def clear(self):
         self.wall.clear()
@@ -228,7 +246,7 @@ class Phases:
             for module, name, phase in wrapped:
                 stack.enter_context(
                     mock.patch.object(module, name, self._wrap(phase, getattr(module, name))))
-            yield
+            yield self
 
     def _wrap(self, phase, fn):
         shimless = phase != "optimizer"
@@ -238,12 +256,13 @@ class Phases:
             if counter is not None:
                 before, counter.phase = counter.phase, phase
             with without_cpu_shim() if shimless else contextlib.nullcontext():
-                w0, c0 = time.perf_counter(), time.thread_time()
+                fills = self.fills
+                w0, c0 = time.perf_counter() - fills.wall, time.thread_time() - fills.cpu
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    self.wall[phase] += time.perf_counter() - w0
-                    self.cpu[phase] += time.thread_time() - c0
+                    self.wall[phase] += time.perf_counter() - fills.wall - w0
+                    self.cpu[phase] += time.thread_time() - fills.cpu - c0
                     if counter is not None:
                         counter.phase = before
         return timed
@@ -282,16 +301,16 @@ def measure(rows, args) -> list:
     turn (warm-up, timed steps, counted steps), so that drift in the machine's load hits
     them alike."""
     trainers = [build(*row, args) for row in rows]
-    phases = Phases()
     times = [{clock: {p: [] for p in (*PHASES, "step")} for clock in CLOCKS} for _ in rows]
     counts, warmup_s = [], [0.0] * len(rows)
-    with no_kernel_launches(), phases.installed():
+    with no_kernel_launches() as fills, Phases(fills).installed() as phases:
         for step in range(args.warmup + args.steps):
             for i, trainer in enumerate(trainers):
                 phases.clear()
-                w0, c0 = time.perf_counter(), time.thread_time()
+                w0, c0 = time.perf_counter() - fills.wall, time.thread_time() - fills.cpu
                 trainer.train_one_step()
-                wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
+                wall = time.perf_counter() - fills.wall - w0
+                cpu = time.thread_time() - fills.cpu - c0
                 if step < args.warmup:
                     warmup_s[i] += wall
                     continue

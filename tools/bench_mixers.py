@@ -13,6 +13,10 @@ Megatron-LM counts it). CPU numbers are ratios only; absolute times mean somethi
         --precision bf16 --impl torch,triton           # on a GPU
     python tools/bench_mixers.py --compile both --peers  # + compiled rows, peer models
     python tools/bench_mixers.py --profile 3 --trace traces/  # host vs GPU time per step
+    python tools/bench_mixers.py --peers-only --layers 8 --seq 512 --micro-batch 2 \
+        --model-option hidden_size=512 --model-option ffn_hidden_size=1408 \
+        --model-option num_attention_heads=8 --model-option num_query_groups=4 \
+        --steps 20 --clock cpu                         # ours vs HF Qwen3, CPU (issue 44)
 
 ``--compile both`` adds a compiled row (``train.compile=true``) per mixer, with its ratio to
 eager vanilla and to compiled vanilla, the graphs Dynamo compiled for it (its distinct
@@ -20,7 +24,11 @@ layer bodies, with and without gradients), its graph breaks and its compile time
 first step less a compiled step). ``--peers`` times one forward+backward (no optimizer)
 of our vanilla model, Megatron-Core's own ``GPTModel`` (local spec) and, when
 ``transformers`` is installed, Hugging Face's ``Qwen3ForCausalLM``, all at the same
-Qwen3-style shape, side by side.
+Qwen3-style shape, side by side: each a bare module (ours without the DDP wrapper, whose
+gradient hooks add every gradient into the flat buffer, work the peers do not do), in
+rounds (every model once, in turn); the table gives each one's median time, its ratio
+to ours and the median of its per-round ratios. ``--peers-only`` times the peers alone
+(no training steps of the mixers first).
 """
 
 from __future__ import annotations
@@ -56,6 +64,11 @@ def parse_args():
                    help="train.compile=false, true, or one row of each per mixer")
     p.add_argument("--peers", action="store_true",
                    help="also time Megatron-Core's GPTModel and HF Qwen3 at the same shape")
+    p.add_argument("--peers-only", action="store_true",
+                   help="only the peer comparison (vanilla's shape; no training steps)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="the peers' clock: wall time, or this thread's CPU time with one "
+                        "intra-op thread (robust to other processes on a shared CPU)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="then profile N more steps of each model: host and GPU kernel time")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -115,11 +128,13 @@ def build_runs(args):
 
 
 def print_peers(vanilla_trainer, args) -> None:
-    from depthmix.megatron_ext.model import unwrap
-    from depthmix.bench.peers import peer_models, time_forward_backward
+    from depthmix.bench.peers import forward_backward_rounds, peer_models, round_ratios
+    from depthmix.pretrain.parallelize import build_chunks
 
     run = vanilla_trainer.run
-    ours = unwrap(vanilla_trainer.model[0])
+    # a bare chunk as the peers are bare modules (the trainer's is wrapped in Megatron's DDP)
+    ours = build_chunks(run, vanilla_trainer.mixer, vanilla_trainer.config,
+                        vanilla_trainer.topo)[0]
     device = next(ours.parameters()).device
     x = torch.randint(0, run.model.vocab_size, (args.micro_batch, run.model.seq_length),
                       device=device)
@@ -127,13 +142,21 @@ def print_peers(vanilla_trainer, args) -> None:
     models = [("depthmix vanilla", ours, lambda x, pos: ours(x, pos, labels=x).sum())]
     models += [(n, m.to(device), f)
                for n, m, f in peer_models(run, vanilla_trainer.config.kv_channels)]
-    times = time_forward_backward(models, (x, pos), args.steps, args.warmup)
-    base = times["depthmix vanilla"]
-    print(f"\nforward+backward, same shape, median of {args.steps} (no optimizer)\n")
-    rows = [[name, f"{times[name] * 1e3:.1f}", f"{times[name] / base:.3f}",
-             f"{sum(p.numel() for p in model.parameters()):,}"] for name, model, _ in models]
-    print(tabulate(rows, ["model", "ms", "ratio", "params"], tablefmt="plain",
-                   colalign=("left", "right", "right", "right"), disable_numparse=True))
+    clock = time.perf_counter
+    if args.clock == "cpu":  # every op on this thread, so its CPU time is all the work
+        torch.set_num_threads(1)
+        clock = time.thread_time
+    times = forward_backward_rounds(models, (x, pos), args.steps, args.warmup, clock)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    ratios = round_ratios(times, "depthmix vanilla")
+    base = medians["depthmix vanilla"]
+    print(f"\nforward+backward, same shape, {args.steps} rounds after {args.warmup} "
+          f"(no optimizer; {args.clock} clock, torch threads {torch.get_num_threads()})\n")
+    rows = [[name, f"{medians[name] * 1e3:.1f}", f"{medians[name] / base:.3f}",
+             f"{ratios[name]:.3f}", f"{sum(p.numel() for p in model.parameters()):,}"]
+            for name, model, _ in models]
+    print(tabulate(rows, ["model", "ms", "ratio", "per round", "params"], tablefmt="plain",
+                   colalign=("left", "right", "right", "right", "right"), disable_numparse=True))
 
 
 def print_profiles(trainers, times, args) -> None:
@@ -174,6 +197,8 @@ def main():
     trainers = []
     for name, impl, run in build_runs(args):
         trainers.append((name, impl, Trainer(run, data=SyntheticData(run), callbacks=[])))
+        if args.peers_only:
+            return print_peers(trainers[0][2], args)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = {i: [] for i in range(len(trainers))}
     first_step = {}

@@ -86,19 +86,36 @@ def peer_models(run: RunConfig, head_dim: int) -> List[Peer]:
     return peers + ([hf] if hf is not None else [])
 
 
-def time_forward_backward(models: List[Peer], batch, steps: int, warmup: int) -> dict:
-    """Median seconds of forward+backward per model (no optimizer), stepped round-robin so
-    that machine drift hits them alike."""
+def forward_backward_rounds(models: List[Peer], batch, steps: int, warmup: int,
+                            clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Seconds of forward+backward (no optimizer) of each model in each of ``steps``
+    rounds after ``warmup``; a round steps every model once, in turn, so that machine
+    drift hits them alike (and a round's ratios compare neighbours in time). ``clock``:
+    wall time, or ``time.thread_time`` (this thread's CPU time: what other processes on a
+    shared machine barely move; all of the work only with one intra-op thread, on a CPU)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     x, pos = batch
     times = {name: [] for name, _, _ in models}
     for step in range(warmup + steps):
         for name, model, loss_fn in models:
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             loss_fn(x, pos).backward()
             sync()
             model.zero_grad(set_to_none=True)
             if step >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+                times[name].append(clock() - t0)
+    return times
+
+
+def time_forward_backward(models: List[Peer], batch, steps: int, warmup: int) -> dict:
+    """Median seconds of forward+backward per model (:func:`forward_backward_rounds`)."""
+    return {name: statistics.median(t)
+            for name, t in forward_backward_rounds(models, batch, steps, warmup).items()}
+
+
+def round_ratios(times: dict, base: str) -> dict:
+    """Per model, the median over rounds of its time over ``base``'s in the same round
+    (steadier than the ratio of medians on a machine whose load drifts)."""
+    return {name: statistics.median(a / b for a, b in zip(t, times[base]))
+            for name, t in times.items()}

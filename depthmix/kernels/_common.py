@@ -19,6 +19,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def host_cache(fn: Callable) -> Callable:
+    """``functools.lru_cache`` for a launcher's pure helper of sizes and dtypes (tiles,
+    paddings: the same every step), computed anew where an argument is not hashable
+    (the symbolic sizes of a traced call)."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return cached(*args, **kwargs)
+        except TypeError:
+            return fn(*args, **kwargs)
+
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def built_interpreted() -> bool:
+    """:func:`interpreting` read once: the mode ``triton.jit`` built this process's kernels
+    in (it decides when a kernel module is imported), for the launchers' tile choices at
+    every call (an environment lookup a launch otherwise)."""
+    return interpreting()
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation / statistics dtype: fp32 for 16-bit and fp32 inputs, fp64 for fp64
     (like the references)."""
@@ -61,6 +85,25 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two ``>= n`` for ``n >= 1`` (``triton.next_power_of_2``)."""
     return 1 << (n - 1).bit_length()
+
+
+def add_to_main_grads(params: Sequence[Optional[Tensor]],
+                      grads: Sequence[Optional[Tensor]]) -> Tuple[Optional[Tensor], ...]:
+    """Parameter gradients computed by a kernel op, accumulated the way Megatron's own
+    linear layers do with ``gradient_accumulation_fusion``: where Megatron's DDP gave a
+    parameter a ``main_grad`` buffer (it sets ``grad_added_to_main_grad`` on every
+    parameter it holds), its gradient is added to it here and flagged, so the DDP's
+    gradient hook skips its own ``param.grad.data`` and add. The gradients come back
+    either way, as the ones autograd hands the parameters (placeholders under the flag,
+    dropped by the hook). Eager calls only (a compiled graph may not write ``main_grad``)."""
+    if torch.compiler.is_compiling():
+        return tuple(grads)
+    for param, grad in zip(params, grads):
+        if (grad is not None and hasattr(param, "grad_added_to_main_grad")
+                and not getattr(param, "zero_out_wgrad", False)):
+            param.main_grad.add_(grad)
+            param.grad_added_to_main_grad = True
+    return tuple(grads)
 
 
 def last_dim_contiguous(*tensors: Optional[Tensor]) -> List[Optional[Tensor]]:
@@ -203,19 +246,25 @@ class KernelOp:
         self._traced = traced = self.forward_op.default
         arguments = traced._schema.arguments
         self._lists = tuple(i for i, a in enumerate(arguments) if str(a.type) == "List[Tensor]")
-        self._function = _function(
+        self._function = _eager_function(
             f"{op}_function", eager_forward or forward, eager_backward or backward,
             setup_context, gradient, self._lists)
+        self._eager_apply = _c_apply(self._function)
         self._op_function = _function(
             f"{op}_op_autograd", _redispatch(traced), self.backward_op.default, setup_context,
-            gradient, self._lists, keyed=True)
+            gradient, self._lists)
         self.forward_op.lib.impl(self.forward_op.name, self._autograd_kernel(arguments),
                                  "Autograd", with_keyset=True)
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling() or _custom_ops_in_eager:
+        if _custom_ops_in_eager or torch.compiler.is_compiling():
             return self._traced(*args)
-        return _apply(self._function, None, args, self._lists)
+        lists = self._lists
+        if lists:
+            args = (tuple(len(args[i]) for i in lists), *_flatten(args, lists))
+        if torch._C._are_functorch_transforms_active():  # vmap, grad, ...: the full apply
+            return self._function.apply(*args)
+        return self._eager_apply(*args)
 
     def _autograd_kernel(self, arguments) -> Callable:
         """The forward op's kernel at the Autograd key: the op Function where a gradient is
@@ -277,19 +326,63 @@ def _unflatten(flat: Sequence, lists: Tuple[int, ...], lengths: Tuple[int, ...])
     return args
 
 
-def _function(name: str, forward, backward, setup_context, gradient, lists, keyed=False):
-    """An ``autograd.Function`` of a :class:`KernelOp`, applied as ``(keyset, *inputs)`` or,
-    with tensor-list inputs, ``(keyset, lengths, *flattened inputs)``: ``forward(keyset,
-    *inputs)`` where ``keyed`` (the op's autograd kernel, :func:`_redispatch`), else a body
-    that takes the inputs alone (eager calls; the keyset is None). ``forward(ctx, ...)``
-    calls ``setup_context`` itself: a Function that defines ``setup_context`` binds its
-    arguments through ``inspect.signature`` on every call."""
-    if not keyed:
-        run = forward
+def _c_apply(function) -> Callable:
+    """``function.apply`` less its Python wrapper (which binds default arguments, checks for
+    functorch transforms and unwraps their dead wrappers, a few µs a call): the C++ apply
+    itself, bound to ``function``. Callers check ``_are_functorch_transforms_active()``
+    first; a torch without it at that place gets the full apply."""
+    apply = torch._C._FunctionBase.__dict__.get("apply")
+    if apply is None or not hasattr(apply, "__get__"):
+        return function.apply
+    return apply.__get__(None, function)
 
-        def forward(keyset, *inputs):
-            return run(*inputs)
 
+def _eager_function(name: str, body, backward, setup_context, gradient, lists):
+    """The ``autograd.Function`` eager calls of a :class:`KernelOp` run, applied as
+    ``(*inputs)`` or, with tensor-list inputs, ``(lengths, *flattened inputs)``: one Python
+    frame from the Function to the body each way (``forward`` calls ``setup_context``
+    itself: a Function that defines ``setup_context`` binds its arguments through
+    ``inspect.signature`` on every call)."""
+    if not lists:
+        def forward(ctx, *inputs):
+            output = body(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        def backward_(ctx, *grads):
+            return gradient(ctx, backward, *grads)
+    else:
+        def forward(ctx, lengths, *flat):
+            inputs = _unflatten(flat, lists, lengths)
+            output = body(*inputs)
+            ctx.lengths = lengths
+            setup_context(ctx, inputs, output)
+            return output
+
+        def backward_(ctx, *grads):
+            return (None, *_flat_grads(gradient(ctx, backward, *grads), lists, ctx.lengths))
+
+    body_ = dict(forward=staticmethod(forward), backward=staticmethod(backward_))
+    return type(name, (torch.autograd.Function,), body_)
+
+
+def _flat_grads(grads, lists: Tuple[int, ...], lengths: Tuple[int, ...]) -> list:
+    """The gradients of a flattened call: a list input's entries one by one (Nones for a
+    None list gradient)."""
+    out = []
+    for i, g in enumerate(grads):
+        if i in lists:
+            out.extend([None] * lengths[lists.index(i)] if g is None else g)
+        else:
+            out.append(g)
+    return out
+
+
+def _function(name: str, forward, backward, setup_context, gradient, lists):
+    """The ``autograd.Function`` of a :class:`KernelOp`'s autograd kernel, applied as
+    ``(keyset, *inputs)`` or, with tensor-list inputs, ``(keyset, lengths, *flattened
+    inputs)``: ``forward(keyset, *inputs)`` redispatches below autograd
+    (:func:`_redispatch`)."""
     if not lists:
         def plain_forward(ctx, keyset, *inputs):
             output = forward(keyset, *inputs)
@@ -310,13 +403,8 @@ def _function(name: str, forward, backward, setup_context, gradient, lists, keye
         return output
 
     def flat_backward(ctx, *grads):
-        out = [None, None]  # the keyset, the lengths
-        for i, g in enumerate(gradient(ctx, backward, *grads)):
-            if i in lists:
-                out.extend([None] * ctx.lengths[lists.index(i)] if g is None else g)
-            else:
-                out.append(g)
-        return tuple(out)
+        # None for the keyset and the lengths
+        return (None, None, *_flat_grads(gradient(ctx, backward, *grads), lists, ctx.lengths))
 
     body = dict(forward=staticmethod(flat_forward), backward=staticmethod(flat_backward))
     return type(name, (torch.autograd.Function,), body)

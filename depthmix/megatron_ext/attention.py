@@ -15,7 +15,6 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -23,6 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
 from depthmix.megatron_ext.context import ForwardContext
+from depthmix.megatron_ext.rope import apply_rope
 from depthmix.planning.depth_plan import DepthState
 
 
@@ -127,8 +127,8 @@ class DepthMixSelfAttention(SelfAttention):
         # [s, b, h] -> q [s, b, np, hn], k/v [s, b, ng, hn] (after QK-norm)
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if ctx.rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, ctx.rotary_pos_emb, config=self.config)
-            key = apply_rotary_pos_emb(key, ctx.rotary_pos_emb, config=self.config)
+            query = apply_rope(query, ctx, self.config)
+            key = apply_rope(key, ctx, self.config)
         key, value, depth_kwargs = self.depth_mixer(query, key, value, state, ctx)
         mask = None
         if ctx.inference is not None:

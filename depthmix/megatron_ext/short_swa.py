@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -32,6 +31,7 @@ from torch import Tensor
 
 from depthmix.megatron_ext.model import seeded_init
 from depthmix.megatron_ext.norm import QKNorm, RMSNorm
+from depthmix.megatron_ext.rope import apply_rope
 
 SWA_SEED = 303
 
@@ -99,8 +99,8 @@ class ShortSWAAttention(SelfAttention):
         # [s, b, h] -> q [s, b, np, hn], k/v [s, b, ng, hn] (local heads, after QK-norm)
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if ctx.rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, ctx.rotary_pos_emb, config=self.config)
-            key = apply_rotary_pos_emb(key, ctx.rotary_pos_emb, config=self.config)
+            query = apply_rope(query, ctx, self.config)
+            key = apply_rope(key, ctx, self.config)
         mask = None
         if ctx.inference is not None:  # the next token needs only the last w - 1 positions
             key, value = ctx.inference.update(("swa", ctx.layer), key, value,

@@ -277,7 +277,7 @@ def test_unrotated_projected_depth_keys_would_break_the_invariance(megatron_sing
     rotated) makes the depth scores depend on the absolute position."""
     model = perturb(make(attn_kv_proj=True)).eval()
     ids = ids_for()
-    monkeypatch.setattr(moda_mod, "apply_rotary_pos_emb", lambda t, freqs, config: t)
+    monkeypatch.setattr(moda_mod, "apply_rope", lambda t, ctx, config: t)
     with torch.no_grad():
         ref = model(ids)
     assert (shifted_logits(model, ids, 37) - ref).abs().max() > 1e-2

@@ -1,6 +1,8 @@
 """tools/bench_host.py: per-layer host time and ATen calls of each training-step phase, with
 the Triton kernels' launches as no-ops."""
 
+import time
+
 import pytest
 import torch
 
@@ -65,3 +67,28 @@ def test_compile_gain_reads_the_two_vanilla_rows():
             for mode, f, b in (("eager", 300.0, 500.0), ("compiled", 100.0, 200.0))]
     assert tool.compile_gain(rows).endswith("compiled 300 / eager 800 = 0.38")
     assert tool.compile_gain(rows[:1]) == ""
+
+
+@needs_triton
+def test_the_fills_time_is_taken_out_of_the_phase():
+    """A no-op launch zero-fills its arguments (a GPU run has no such pass): its time goes
+    to the FillTime, not to the phase the launch falls in."""
+    from depthmix.kernels.ddl.triton import ddl_read_fwd_kernel
+
+    tool = load_tool("bench_host")
+    big = torch.ones(2 ** 24)
+    with tool.no_kernel_launches() as fills:
+        phases = tool.Phases(fills)
+        timed = phases._wrap("forward", lambda: ddl_read_fwd_kernel[(1,)](big))
+        timed()  # the first call's lazy imports
+        phases.clear()
+        cpu, wall = fills.cpu, fills.wall
+        big.fill_(1.0)
+        t0 = time.perf_counter()
+        timed()
+        total = time.perf_counter() - t0
+    assert not big.any()  # filled
+    cpu, wall = fills.cpu - cpu, fills.wall - wall
+    assert cpu > 0 and wall > 0
+    assert phases.cpu["forward"] < 0.5 * cpu  # CPU time: the machine's load barely moves it
+    assert phases.wall["forward"] == pytest.approx(total - wall, abs=1e-3)

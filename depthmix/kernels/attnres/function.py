@@ -13,7 +13,14 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from depthmix.kernels._common import KernelOp, absent, acc_dtype, empty_like_contiguous, present
+from depthmix.kernels._common import (
+    KernelOp,
+    absent,
+    acc_dtype,
+    add_to_main_grads,
+    empty_like_contiguous,
+    present,
+)
 from depthmix.kernels.attnres.triton import attnres_bwd, attnres_fwd, check_sources
 
 
@@ -48,6 +55,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zeros for the statistics' grads
     ctx.save_for_backward(query, key_weight, out_weight, z, rstd, lse, *sources)
     ctx.out_eps = out_eps
+    ctx.params = (query, key_weight, out_weight)  # the parameters themselves (main_grad)
 
 
 def _gradient(ctx, backward, dout, _dz, _drstd, _dlse):
@@ -56,7 +64,9 @@ def _gradient(ctx, backward, dout, _dz, _drstd, _dlse):
     query, key_weight, out_weight, z, rstd, lse, *sources = ctx.saved_tensors
     dsources, dquery, dkey, dout_weight = backward(
         sources, query, key_weight, out_weight, ctx.out_eps, dout, z, rstd, lse)
-    return dsources, dquery, dkey, absent(dout_weight), None, None
+    dquery, dkey, dout_weight = add_to_main_grads(ctx.params,
+                                                  (dquery, dkey, absent(dout_weight)))
+    return dsources, dquery, dkey, dout_weight, None, None
 
 
 attnres_op = KernelOp("depthmix::attnres", _forward, _backward, setup_context=_setup_context,

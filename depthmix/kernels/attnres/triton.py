@@ -46,7 +46,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depthmix.kernels._common import acc_dtype, cdiv, next_power_of_2, sm_count, tl_dtype
+from depthmix.kernels._common import (
+    acc_dtype,
+    cdiv,
+    host_cache,
+    next_power_of_2,
+    sm_count,
+    tl_dtype,
+)
 
 MAX_HIDDEN = 16384
 """Largest hidden size: the kernels keep a token's whole row in registers."""
@@ -204,6 +211,7 @@ def attnres_bwd_kernel(
 # ---------------------------------------------------------------------------------------
 
 
+@host_cache
 def _tiles(d: int) -> Tuple[int, int, int]:
     """(BT tokens, BD hidden lanes, num_warps) for hidden size ``d``: about 2K elements
     per program, 8 per thread (a 16-byte vector for bf16)."""

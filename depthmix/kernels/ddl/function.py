@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from depthmix.kernels._common import KernelOp, acc_dtype, empty_like_contiguous
+from depthmix.kernels._common import KernelOp, acc_dtype, add_to_main_grads, empty_like_contiguous
 from depthmix.kernels.ddl import triton as kernels
 from depthmix.kernels.ddl.reference import DDLOps
 
@@ -22,11 +22,13 @@ from depthmix.kernels.ddl.reference import DDLOps
 # ---- read: x [..., h, d_v] -> x_in [..., h] --------------------------------------------
 def _read_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
+    ctx.read = inputs[1]  # the parameter itself (its main_grad)
 
 
 def _read_gradient(ctx, backward, grad):
     x, read = ctx.saved_tensors
-    return backward(x, read, grad.contiguous())
+    dx, dread = backward(x, read, grad.contiguous())
+    return dx, *add_to_main_grads((ctx.read,), (dread,))
 
 
 read_op = KernelOp("depthmix::ddl_read", kernels.ddl_read_fwd, kernels.ddl_read_bwd,
@@ -50,6 +52,7 @@ def _write_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(stats)
     ctx.set_materialize_grads(False)  # no zeros for the statistics' gradient
     ctx.save_for_backward(x, y, x_in, beta_weight, v_weight, stats)
+    ctx.params = inputs[3:7]  # the parameters themselves (their main_grad)
 
 
 def _write_gradient(ctx, backward, grad, _dstats):
@@ -58,7 +61,8 @@ def _write_gradient(ctx, backward, grad, _dstats):
     x, y, x_in, beta_weight, v_weight, stats = ctx.saved_tensors
     dx, dy, dx_in, dparams = backward(x, y, x_in, beta_weight, v_weight, stats, ctx.v_scale,
                                       grad.contiguous())
-    dw, db, dwv, dbv = kernels.split_params(dparams, *x.shape[-2:])
+    dw, db, dwv, dbv = add_to_main_grads(ctx.params,
+                                         kernels.split_params(dparams, *x.shape[-2:]))
     return dx, dy, dx_in, dw, db, dwv, dbv, None, None
 
 

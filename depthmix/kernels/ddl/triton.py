@@ -44,7 +44,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from depthmix.kernels._common import acc_dtype, cdiv, interpreting, next_power_of_2, tl_dtype
+from depthmix.kernels._common import (
+    acc_dtype,
+    cdiv,
+    host_cache,
+    interpreting,
+    next_power_of_2,
+    tl_dtype,
+)
 
 K_EPS = 1e-5
 """As :data:`depthmix.kernels.ddl.reference.K_EPS`."""
@@ -294,6 +301,7 @@ def ddl_write_params_kernel(
 
 # The interpreter runs programs one by one in numpy: few, large tiles there (still more
 # than one chunk of h in the update for h > 128, more than one token tile above 32 tokens).
+@host_cache
 def _read_tiles(h: int, bdv: int) -> Tuple[int, int]:
     """(BT, BH) of the read kernels: about 2K state elements a program."""
     if interpreting():
@@ -302,6 +310,7 @@ def _read_tiles(h: int, bdv: int) -> Tuple[int, int]:
     return max(1, 2048 // (bh * bdv)), bh
 
 
+@host_cache
 def _write_tiles(h: int, bdv: int) -> Tuple[int, int]:
     """(BT, BH) of the update kernels: ``[BT, BH, BDV]`` chunks of about 2K elements."""
     if interpreting():
@@ -310,11 +319,13 @@ def _write_tiles(h: int, bdv: int) -> Tuple[int, int]:
     return max(1, min(16, 2048 // (bh * bdv))), bh
 
 
+@host_cache
 def _params_tiles(h: int) -> int:
     """BH of the parameter-gradient kernel: one program per 16 hidden columns."""
     return min(next_power_of_2(h), 128 if interpreting() else 16)
 
 
+@host_cache
 def _bdv(dv: int) -> int:
     return max(2, next_power_of_2(dv))
 
@@ -406,6 +417,9 @@ def split_params(dparams: Tensor, h: int, dv: int
 
 def check_write(x: Tensor, beta_weight: Tensor, *params: Optional[Tensor]) -> None:
     """The update's parameters share one dtype: their gradients are one buffer."""
+    dtype = beta_weight.dtype
+    if all(p.dtype is dtype for p in params):
+        return
     for p in params:
         if p.dtype != beta_weight.dtype:
             raise ValueError(f"ddl write: parameters of dtypes {beta_weight.dtype} and "

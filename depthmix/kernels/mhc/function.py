@@ -12,7 +12,14 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from depthmix.kernels._common import KernelOp, absent, acc_dtype, empty_like_contiguous, present
+from depthmix.kernels._common import (
+    KernelOp,
+    absent,
+    acc_dtype,
+    add_to_main_grads,
+    empty_like_contiguous,
+    present,
+)
 from depthmix.kernels.mhc import triton as kernels
 from depthmix.kernels.mhc.reference import MHCOps
 
@@ -87,6 +94,7 @@ def _read_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(dyn, rstd)
     ctx.set_materialize_grads(False)  # an unused coefficient's gradient stays None (skipped)
     ctx.save_for_backward(x, phi, alpha, bias, h_pre, dyn, rstd, norm_weight)
+    ctx.params = (phi, alpha, bias, norm_weight)  # the parameters themselves (main_grad)
 
 
 def _read_gradient(ctx, backward, g_xin, g_pre, g_post, g_res, _g_dyn, _g_rstd):
@@ -96,7 +104,9 @@ def _read_gradient(ctx, backward, g_xin, g_pre, g_post, g_res, _g_dyn, _g_rstd):
     dx, dphi, dalpha, dbias, dnorm = backward(
         x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, absent(g_res),
         ctx.variant, ctx.iters, norm_weight, ctx.norm_eps)
-    return dx, dphi, dalpha, dbias, None, None, None, absent(dnorm), None
+    dphi, dalpha, dbias, dnorm = add_to_main_grads(ctx.params,
+                                                   (dphi, dalpha, dbias, absent(dnorm)))
+    return dx, dphi, dalpha, dbias, None, None, None, dnorm, None
 
 
 def _read_eager_backward(x, phi, alpha, bias, h_pre, dyn, rstd, g_xin, g_pre, g_post, g_res,

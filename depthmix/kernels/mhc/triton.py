@@ -39,8 +39,9 @@ import triton.language as tl
 
 from depthmix.kernels._common import (
     acc_dtype,
+    built_interpreted,
     cdiv,
-    interpreting,
+    host_cache,
     next_power_of_2,
     sm_count,
     tl_dtype,
@@ -554,6 +555,7 @@ def mhc_post_res_bwd_kernel(
 # ---------------------------------------------------------------------------------------
 
 
+@host_cache
 def _tl(dtype: torch.dtype):
     return tl_dtype(acc_dtype(dtype))
 
@@ -561,9 +563,10 @@ def _tl(dtype: torch.dtype):
 def _dot_precision(t: torch.Tensor) -> str:
     """fp32 operands on tensor cores with three TF32 passes (close to fp32 accuracy); the
     interpreter and fp64 compute exactly (the mode decides, as in :func:`_block_t`)."""
-    return "ieee" if interpreting() or t.dtype == torch.float64 else "tf32x3"
+    return "ieee" if built_interpreted() or t.dtype == torch.float64 else "tf32x3"
 
 
+@host_cache
 def _pad(n: int) -> Tuple[int, int]:
     """(NP, P2): padded streams for the res block (NP*NP >= 16) and the pre|post width."""
     return max(4, next_power_of_2(n)), max(16, next_power_of_2(2 * n))
@@ -572,7 +575,7 @@ def _pad(n: int) -> Tuple[int, int]:
 def _block_t(t: torch.Tensor) -> int:
     """Tokens per program: 32 compiled, 16 in the interpreter. Chosen by the mode, not by
     ``t.device``, so that ``tools/kernel_report.py`` (meta tensors) sees the GPU tiles."""
-    return 16 if interpreting() else 32
+    return 16 if built_interpreted() else 32
 
 
 def _rows(x: torch.Tensor) -> int:

@@ -167,17 +167,20 @@ def _(grad_out, query, depth_key, depth_value, out, lse, dq_seq, count, scale, t
             torch.empty_like(depth_value))
 
 
+_tiles_of = functools.lru_cache(maxsize=None)(lambda fields: DepthTiles(*fields))
+
+
 def _depth_forward(*args):
     if torch.compiler.is_compiling():
         return _depth_fwd_op.default(*args[:-1], list(args[-1]))
     # eagerly the joint log-sum-exp overwrites the sequence part's (read first, row by row)
-    return moda_depth_fwd(*args[:-1], DepthTiles(*args[-1]), lse_out=args[4])
+    return moda_depth_fwd(*args[:-1], _tiles_of(args[-1]), lse_out=args[4])
 
 
 def _depth_backward(*args):
     if torch.compiler.is_compiling():
         return _depth_bwd_op.default(*args[:-1], list(args[-1]))
-    return moda_depth_bwd(*args[:-1], DepthTiles(*args[-1]))
+    return moda_depth_bwd(*args[:-1], _tiles_of(args[-1]))
 
 
 class MoDASplitFunction(torch.autograd.Function):

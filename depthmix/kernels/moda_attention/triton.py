@@ -46,7 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
-from depthmix.kernels._common import cdiv, interpreting, last_dim_contiguous, next_power_of_2
+from depthmix.kernels._common import (
+    cdiv,
+    host_cache,
+    interpreting,
+    last_dim_contiguous,
+    next_power_of_2,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -613,6 +619,7 @@ class Tiles:
     num_stages: int = 2
 
 
+@host_cache
 def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True) -> Tiles:
     """Tiles for a head dim, group size ``G`` and depth capacity ``D``.
 
@@ -645,6 +652,7 @@ def default_tiles(head_dim: int, group: int, depth: int, sub_tiles: bool = True)
     return Tiles(block_m, block_n, sub, block_d, dkdv_m, dkdv_n, warps, stages)
 
 
+@host_cache
 def _check_tiles(t: Tiles, gp: int) -> None:
     p2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
     for name in ("block_m", "block_n", "depth_sub", "block_d", "dkdv_m", "dkdv_n"):
@@ -673,6 +681,7 @@ class DepthTiles:
     num_stages: int = 2
 
 
+@host_cache
 def default_depth_tiles(head_dim: int, group: int, depth: int) -> DepthTiles:
     """Depth-kernel tiles for a head dim, group size ``G`` and depth capacity ``D``.
 
@@ -699,6 +708,7 @@ def default_depth_tiles(head_dim: int, group: int, depth: int) -> DepthTiles:
     return DepthTiles(block_m, sub, block_d, warps, stages)
 
 
+@host_cache
 def _check_depth_tiles(t: DepthTiles, gp: int) -> None:
     p2 = lambda x: x >= 1 and x & (x - 1) == 0  # noqa: E731
     for name in ("block_m", "depth_sub", "block_d"):
@@ -717,6 +727,7 @@ def _check_depth_tiles(t: DepthTiles, gp: int) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+@host_cache
 def _precision(dtype: torch.dtype) -> str:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"moda_attention (Triton) takes fp32, bf16 or fp16 inputs, not {dtype}")
@@ -741,12 +752,12 @@ def moda_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     grid = (cdiv(sq, tiles.block_m // gp), b * ng)
     _moda_fwd_kernel[grid](
         q, k, v, kd_, vd_, o, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        kd_.stride(0), kd_.stride(1), kd_.stride(2), kd_.stride(3),
-        vd_.stride(0), vd_.stride(1), vd_.stride(2), vd_.stride(3),
-        o.stride(0), o.stride(1), o.stride(2),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *kd_.stride()[:4],
+        *vd_.stride()[:4],
+        *o.stride()[:3],
         sq, sk, ng, count if has_depth else 0, scale * LOG2E,
         G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, next_power_of_2(hn)),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, SUB=tiles.depth_sub,
@@ -774,8 +785,8 @@ def moda_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     pre_m = max(16, gp)
     _moda_bwd_preprocess[(cdiv(sq, pre_m // gp), b * ng)](
         o, do, delta,
-        o.stride(0), o.stride(1), o.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
+        *o.stride()[:3],
+        *do.stride()[:3],
         sq, ng, G=g, GP=gp, HEAD_DIM=hn, HD_P=hd_p, BLOCK_M=pre_m,
     )
 
@@ -784,12 +795,12 @@ def moda_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     _moda_bwd_dkdv_kernel[(cdiv(sk, tiles.dkdv_n), b * ng)](
         q, k, v, do, lse, delta, dk, dv,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *do.stride()[:3],
+        *dk.stride()[:3],
+        *dv.stride()[:3],
         sq, sk, ng, scale * LOG2E, scale,
         G=g, GP=gp, HEAD_DIM=hn, HD_P=hd_p, BLOCK_M=tiles.dkdv_m, BLOCK_N=tiles.dkdv_n,
         PREC=prec, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -810,13 +821,13 @@ def moda_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         raise AssertionError("depth gradients must share the depth inputs' strides")
     _moda_bwd_dq_kernel[(cdiv(sq, tiles.block_m // gp), b * ng)](
         q, k, v, kd_, vd_, do, lse, delta, dq, dkd_, dvd_,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        kd_.stride(0), kd_.stride(1), kd_.stride(2), kd_.stride(3),
-        vd_.stride(0), vd_.stride(1), vd_.stride(2), vd_.stride(3),
-        do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *kd_.stride()[:4],
+        *vd_.stride()[:4],
+        *do.stride()[:3],
+        *dq.stride()[:3],
         sq, sk, ng, count if has_depth else 0, scale * LOG2E, scale,
         G=g, GP=gp, HEAD_DIM=hn, HD_P=hd_p, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         SUB=tiles.depth_sub, BLOCK_D=tiles.block_d, HAS_DEPTH=has_depth, PREC=prec,
@@ -827,7 +838,8 @@ def moda_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
 def _bhs_strides(t: torch.Tensor) -> Tuple[int, int, int]:
     """``(seq, batch, head)`` strides of an attention op's ``[b, h, s, ...]`` tensor."""
-    return t.stride(2), t.stride(0), t.stride(1)
+    stride = t.stride()
+    return stride[2], stride[0], stride[1]
 
 
 def moda_depth_fwd(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, o_seq: torch.Tensor,
@@ -854,11 +866,11 @@ def moda_depth_fwd(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, o_seq: t
     grid = (cdiv(sq, tiles.block_m // gp), b * ng)
     _moda_depth_fwd_kernel[grid](
         q, kd, vd, o_seq, lse_seq, o, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        kd.stride(0), kd.stride(1), kd.stride(2), kd.stride(3),
-        vd.stride(0), vd.stride(1), vd.stride(2), vd.stride(3),
+        *q.stride()[:3],
+        *kd.stride()[:4],
+        *vd.stride()[:4],
         *_bhs_strides(o_seq), *_bhs_strides(lse_seq),
-        o.stride(0), o.stride(1), o.stride(2),
+        *o.stride()[:3],
         sq, ng, count, scale * LOG2E,
         G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, next_power_of_2(hn)),
         BLOCK_M=tiles.block_m, SUB=tiles.depth_sub, BLOCK_D=tiles.block_d,
@@ -893,13 +905,13 @@ def moda_depth_bwd(do: torch.Tensor, q: torch.Tensor, kd: torch.Tensor, vd: torc
     grid = (cdiv(sq, tiles.block_m // gp), b * ng)
     _moda_depth_bwd_kernel[grid](
         q, kd, vd, o, do, lse, dq_seq, dq, dkd, dvd,
-        q.stride(0), q.stride(1), q.stride(2),
-        kd.stride(0), kd.stride(1), kd.stride(2), kd.stride(3),
-        vd.stride(0), vd.stride(1), vd.stride(2), vd.stride(3),
-        o.stride(0), o.stride(1), o.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
+        *q.stride()[:3],
+        *kd.stride()[:4],
+        *vd.stride()[:4],
+        *o.stride()[:3],
+        *do.stride()[:3],
         *_bhs_strides(lse), *_bhs_strides(dq_seq),
-        dq.stride(0), dq.stride(1), dq.stride(2),
+        *dq.stride()[:3],
         sq, ng, count, scale * LOG2E, scale,
         G=g, GP=gp, HEAD_DIM=hn, HD_P=max(16, next_power_of_2(hn)),
         BLOCK_M=tiles.block_m, SUB=tiles.depth_sub, BLOCK_D=tiles.block_d,

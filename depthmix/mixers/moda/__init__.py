@@ -110,6 +110,12 @@ class MoDAGeometry:
             s: tuple(l for l in range(self.unrolled) if s in self._visible[l])
             for s in self.sources
         }
+        # what the modules look up at every call, by plain keys (no Source built a call)
+        self._stored_names = {(s.layer, s.kind): s.entry_names() for s in self.sources
+                              if self._readers[s]}
+        self._visible_names = [
+            (tuple(s.entry_names()[0] for s in v), tuple(s.entry_names()[1] for s in v))
+            for v in self._visible]
 
     @classmethod
     def from_config(cls, config) -> "MoDAGeometry":
@@ -119,6 +125,15 @@ class MoDAGeometry:
     def visible(self, layer: int) -> Tuple[Source, ...]:
         """Depth entries layer ``layer``'s attention reads, oldest first."""
         return self._visible[layer]
+
+    def visible_names(self, layer: int) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+        """The key and the value entry names of :meth:`visible`."""
+        return self._visible_names[layer]
+
+    def stored_names(self, layer: int, kind: str) -> Optional[Tuple[str, str]]:
+        """The key and value entry names of source ``(layer, kind)`` when it is stored
+        (:meth:`stored`), else None."""
+        return self._stored_names.get((layer, kind))
 
     def readers(self, source: Source) -> Tuple[int, ...]:
         return self._readers[source]

@@ -38,17 +38,18 @@ from dataclasses import replace
 from typing import Optional, Tuple
 
 import torch
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torch import Tensor
 
-from depthmix.mixers.moda import ATTN, MLP, MoDAGeometry, Source
+from depthmix.mixers.moda import ATTN, MLP, MoDAGeometry
 from depthmix.kernels.dispatch import select
 from depthmix.kernels.moda_attention import moda_attention_reference, moda_depth_weights
 from depthmix.megatron_ext.attention import DepthMixSelfAttention, SDPACoreAttention, causal_sdpa
 from depthmix.megatron_ext.context import ForwardContext
+from depthmix.megatron_ext.rope import apply_rope
 from depthmix.planning.depth_plan import DepthState
 from depthmix.megatron_ext.layer import StateHook
 from depthmix.megatron_ext.model import seeded_init
@@ -85,6 +86,8 @@ class DepthKVProjection(MegatronModule):
                 config.hidden_size, 2 * ng * self.head_dim, config=config,
                 init_method=config.init_method, bias=False, gather_output=False,
                 skip_bias_add=False,
+                # one rank: no gradient to reduce, so no identity autograd Function in front
+                disable_grad_reduce=parallel_state.get_tensor_model_parallel_world_size() == 1,
             )
         self.k_layernorm = (QKNorm(config, self.head_dim, eps=config.layernorm_epsilon)
                             if config.qk_layernorm else None)
@@ -92,17 +95,97 @@ class DepthKVProjection(MegatronModule):
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tuple[Tensor, Tensor]:
         kv, _ = self.linear_kv(x)  # [s, b, ng/tp * 2 * hn]
         kv = kv.view(*kv.shape[:2], -1, 2, self.head_dim)  # [s, b, ng/tp, 2, hn]
-        key, value = kv[..., 0, :], kv[..., 1, :]
+        key, value = kv.unbind(3)
         if self.k_layernorm is not None:
             key = self.k_layernorm(key)
         if ctx.rotary_pos_emb is not None:
-            key = apply_rotary_pos_emb(key, ctx.rotary_pos_emb, config=self.config)
+            key = apply_rope(key, ctx, self.config)
         return key, value
 
 
-def _write(state: DepthState, source: Source, key: Tensor, value: Tensor) -> None:
-    k_name, v_name = source.entry_names()
-    state[k_name], state[v_name] = key, value
+def _write(state: DepthState, names: Tuple[str, str], key: Tensor, value: Tensor) -> None:
+    state[names[0]], state[names[1]] = key, value
+
+
+class _GrowDepthKV(torch.autograd.Function):
+    """A layer's depth keys and values ``[s, b, ng, D, hn]`` from the previous reader's
+    (``prefix``, ``D'`` entries) and the entries written since (``new``: keys, then as many
+    values): ``cat(prefix, stack(new))``, each way.
+
+    Stacking every entry anew at every layer costs autograd one ``select`` per entry and
+    reader backward, and one ``add`` per entry and extra reader to sum an entry's gradient
+    over the layers that read it: O(depth) calls a layer. Grown from the previous reader's
+    tensor, the readers' gradients are summed on the stacks instead, one ``add`` a layer,
+    and each entry's gradient leaves its stack once (two view ops here, each way). The
+    sums are the same additions in the same order: bit for bit the per-entry stacks'."""
+
+    @staticmethod
+    def forward(ctx, k_prefix, v_prefix, *new):
+        n = len(new) // 2
+        ctx.sizes = (k_prefix.shape[3], n)
+        return (torch.cat((k_prefix, torch.stack(new[:n], dim=3)), dim=3),
+                torch.cat((v_prefix, torch.stack(new[n:], dim=3)), dim=3))
+
+    @staticmethod
+    def backward(ctx, grad_k, grad_v):
+        k_prefix, k_new = grad_k.split(ctx.sizes, dim=3)
+        v_prefix, v_new = grad_v.split(ctx.sizes, dim=3)
+        return (k_prefix, v_prefix, *k_new.unbind(3), *v_new.unbind(3))
+
+
+_STACKS = "moda/depth_kv"
+"""``ctx.extras`` key of the last reader's ``(key names, key entries, value entries, depth
+keys, depth values)`` in this forward (eager only)."""
+
+
+def depth_kv(state: DepthState, names: Tuple[Tuple[str, ...], Tuple[str, ...]],
+             ctx: ForwardContext) -> Tuple[Tensor, Tensor]:
+    """The ``[s, b, ng, D, hn]`` depth keys and values of the entries ``names`` (key names,
+    value names), oldest first: grown from the previous reader's stacks in this forward
+    (:class:`_GrowDepthKV`) where those stacked this forward's entries and ``names``
+    continues theirs, else stacked. Compiled layers stack (Inductor fuses the stacks; the
+    cache would be state outside the graph)."""
+    k_names, v_names = names
+    if torch.compiler.is_compiling():
+        return (torch.stack([state[n] for n in k_names], dim=3),
+                torch.stack([state[n] for n in v_names], dim=3))
+    previous = ctx.extras.get(_STACKS)
+    grown = None if previous is None else _grow(previous, state, k_names, v_names)
+    if grown is None:
+        keys, values = tuple(state[n] for n in k_names), tuple(state[n] for n in v_names)
+        grown = keys, values, torch.stack(keys, dim=3), torch.stack(values, dim=3)
+    ctx.extras[_STACKS] = (k_names, *grown)
+    return grown[2], grown[3]
+
+
+def _grow(previous, state: DepthState, k_names, v_names):
+    """``(keys, values, depth keys, depth values)`` grown from ``previous``, or None."""
+    old_names, old_keys, old_values, k_stack, v_stack = previous
+    try:  # the window may have dropped the oldest entries: the previous names' tail is ours' head
+        drop = old_names.index(k_names[0])
+    except ValueError:
+        return None
+    kept = len(old_names) - drop
+    if kept >= len(k_names) or old_names[drop:] != k_names[:kept]:
+        return None
+    # entries are written once per forward, so the newest kept entry being the stacked
+    # tensor means they all are (a recomputed layer's inputs are new tensors)
+    if (state[k_names[kept - 1]] is not old_keys[-1]
+            or state[v_names[kept - 1]] is not old_values[-1]):
+        return None
+    new_keys = tuple([state[n] for n in k_names[kept:]])
+    new_values = tuple([state[n] for n in v_names[kept:]])
+    if drop:
+        k_stack, v_stack = k_stack.narrow(3, drop, kept), v_stack.narrow(3, drop, kept)
+    if GROW_FUNCTION:
+        k, v = _GrowDepthKV.apply(k_stack, v_stack, *new_keys, *new_values)
+    else:
+        k = torch.cat((k_stack, torch.stack(new_keys, dim=3)), dim=3)
+        v = torch.cat((v_stack, torch.stack(new_values, dim=3)), dim=3)
+    return old_keys[drop:] + new_keys, old_values[drop:] + new_values, k, v
+
+
+GROW_FUNCTION = True
 
 
 class MoDADepthMixer(MegatronModule):
@@ -114,6 +197,7 @@ class MoDADepthMixer(MegatronModule):
         super().__init__(config=config)
         self.geo = MoDAGeometry.from_config(config)
         self.num_sources = 2 * self.geo.unrolled
+        self.reads_own_projection = config.mixer.attn_kv_proj
         unique = layer_number - 1
         self.proj = (
             DepthKVProjection(config, layer_number, ATTN)
@@ -123,21 +207,22 @@ class MoDADepthMixer(MegatronModule):
     def project_input(self, hidden_states: Tensor, state: DepthState, ctx: ForwardContext):
         """``attn_kv_proj``: the attention input's own depth projection (called by
         :class:`MoDASelfAttention` before the q/k/v projection)."""
-        source = Source(ctx.layer, ATTN)
-        if self.proj is not None and self.geo.stored(source):
-            _write(state, source, *self.proj(hidden_states, ctx))
+        if self.proj is not None:
+            names = self.geo.stored_names(ctx.layer, ATTN)
+            if names is not None:
+                _write(state, names, *self.proj(hidden_states, ctx))
 
     def forward(self, query, key, value, state: DepthState, ctx: ForwardContext):
-        own = Source(ctx.layer, ATTN)
-        if not self.config.mixer.attn_kv_proj and self.geo.stored(own):
-            _write(state, own, key, value)  # reused: the layer's normed, rotated keys
+        if not self.reads_own_projection:
+            names = self.geo.stored_names(ctx.layer, ATTN)
+            if names is not None:
+                _write(state, names, key, value)  # reused: the layer's normed, rotated keys
         sources = self.geo.visible(ctx.layer)
         if not sources:
             if ctx.stats is not None:
                 self._record(ctx, sources, None)
             return key, value, {}
-        depth_key = torch.stack([state[s.entry_names()[0]] for s in sources], dim=3)
-        depth_value = torch.stack([state[s.entry_names()[1]] for s in sources], dim=3)
+        depth_key, depth_value = depth_kv(state, self.geo.visible_names(ctx.layer), ctx)
         kwargs = {"depth_key": depth_key, "depth_value": depth_value}
         if ctx.stats is not None:
             kwargs["depth_stats"] = lambda weights: self._record(ctx, sources, weights)
@@ -206,9 +291,10 @@ class MoDAMLPDepthKV(StateHook):
                      if self.geo.has_projection(layer_number - 1, MLP) else None)
 
     def forward(self, state: DepthState, ctx: ForwardContext, mlp_input: Tensor) -> None:
-        source = Source(ctx.layer, MLP)
-        if self.proj is not None and self.geo.stored(source):
-            _write(state, source, *self.proj(mlp_input, ctx))
+        if self.proj is not None:
+            names = self.geo.stored_names(ctx.layer, MLP)
+            if names is not None:
+                _write(state, names, *self.proj(mlp_input, ctx))
 
 
 def get_moda_model_spec(config):
