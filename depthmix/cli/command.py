@@ -14,7 +14,7 @@ import glob
 import os
 import sys
 import textwrap
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Type
+from typing import Callable, Iterator, Optional, Sequence, Tuple, Type
 
 from depthmix.config.schema import ConfigError
 from depthmix.runtime import exit_codes

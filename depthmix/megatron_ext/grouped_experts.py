@@ -26,8 +26,7 @@ for the backward (one more copy of the local experts' weights per MoE layer in f
 from __future__ import annotations
 
 import torch
-
-from depthmix.megatron_ext.moe import SeededExperts
+from megatron.core.transformer.moe.experts import SequentialMLP
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -43,10 +42,8 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-class GroupedExperts(SeededExperts):
-    """``SequentialMLP`` (seeded by global expert index:
-    :class:`~depthmix.megatron_ext.moe.SeededExperts`) whose local experts run as two grouped
-    GEMMs (module doc)."""
+class GroupedExperts(SequentialMLP):
+    """``SequentialMLP`` whose local experts run as two grouped GEMMs (module doc)."""
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)

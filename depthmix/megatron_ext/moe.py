@@ -30,6 +30,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_rank
 
+from depthmix.megatron_ext.grouped_experts import GroupedExperts
+
 
 class ExpertLoadRouter(TopKRouter):
     """``TopKRouter`` counting, over the training forwards since the last :meth:`take`, the
@@ -70,11 +72,12 @@ class ExpertLoadRouter(TopKRouter):
         return out
 
 
-class SeededExperts(SequentialMLP):
-    """Megatron's ``SequentialMLP`` whose experts draw their initial weights by their global
-    index: expert ``g`` of a layer starts from the same weights whichever expert-parallel
-    rank holds it, so every ``parallel.ep`` trains the same model from one seed (the layer's
-    seed, :func:`depthmix.megatron_ext.model.seeded_init`, gives each expert's seed)."""
+class _SeededByGlobalIndex:
+    """Experts (a ``SequentialMLP`` or a subclass) that draw their initial weights by their
+    global index: expert ``g`` of a layer starts from the same weights whichever
+    expert-parallel rank holds it, so every ``parallel.ep`` trains the same model from one
+    seed (the layer's seed, :func:`depthmix.megatron_ext.model.seeded_init`, gives each
+    expert's seed)."""
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
         from depthmix.megatron_ext.model import seeded_init
@@ -88,6 +91,15 @@ class SeededExperts(SequentialMLP):
                 self.local_experts.append(MLP(
                     self.config, submodules, ffn_hidden_size=self.config.moe_ffn_hidden_size,
                     is_expert=True, tp_group=pg_collection.expt_tp))
+
+
+class SeededExperts(_SeededByGlobalIndex, SequentialMLP):
+    """Megatron's ``SequentialMLP``, seeded by global expert index."""
+
+
+class SeededGroupedExperts(_SeededByGlobalIndex, GroupedExperts):
+    """:class:`~depthmix.megatron_ext.grouped_experts.GroupedExperts`, seeded by global expert
+    index (the same initial weights as :class:`SeededExperts`)."""
 
 
 class ExpertGroupsMoE(MoELayer):
@@ -109,10 +121,8 @@ class ExpertGroupsMoE(MoELayer):
 def get_moe_spec(config) -> ModuleSpec:
     """Megatron's MoE layer spec for local modules, with :class:`ExpertGroupsMoE`,
     :class:`ExpertLoadRouter` and the experts ``config.moe_experts_impl`` names
-    (:class:`SeededExperts` or :class:`~depthmix.megatron_ext.grouped_experts.GroupedExperts`)."""
-    from depthmix.megatron_ext.grouped_experts import GroupedExperts  # it subclasses ours
-
-    experts = {"sequential": SeededExperts, "grouped": GroupedExperts}.get(config.moe_experts_impl)
+    (:class:`SeededExperts` or :class:`SeededGroupedExperts`)."""
+    experts = {"sequential": SeededExperts, "grouped": SeededGroupedExperts}.get(config.moe_experts_impl)
     if experts is None:
         raise ValueError(f"moe_experts_impl={config.moe_experts_impl!r} is not resolved "
                          "(sequential or grouped): model.moe.experts_impl is resolved at "

@@ -31,7 +31,7 @@ from depthmix.config.schema import ConfigError, RunConfig
 from depthmix.config.validate import closest, validate
 from depthmix.planning import hardware, memory
 from depthmix.planning.flops import flops_per_token
-from depthmix.planning.step_time import TERMS, calibrated, step_time
+from depthmix.planning.step_time import calibrated, step_time
 from depthmix.planning.units import GIB, fmt_bytes
 
 

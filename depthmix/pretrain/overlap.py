@@ -25,7 +25,6 @@ wires it (``megatron/training/training.py``, ``train``).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import List, Optional
 
 from megatron.core.distributed import DistributedDataParallelConfig

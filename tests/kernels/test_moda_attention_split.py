@@ -14,7 +14,6 @@ the depth part through the Triton depth kernels (the interpreter), merged by log
 """
 
 import dataclasses
-import math
 
 import pytest
 import torch

@@ -41,12 +41,15 @@ def build_layer(impl: str, seed: int = 0, device: str = "cpu", precision: str = 
 def pair(**kwargs):
     """A sequential layer and a grouped one holding its weights (a strict state-dict load:
     the same parameter names and shapes)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
     from depthmix.megatron_ext.grouped_experts import GroupedExperts
 
     sequential = build_layer("sequential", **kwargs)
     grouped = build_layer("grouped", seed=1, **kwargs)
-    assert type(grouped.experts) is GroupedExperts
-    assert type(sequential.experts).__name__ == "SequentialMLP"
+    assert isinstance(grouped.experts, GroupedExperts)
+    assert isinstance(sequential.experts, SequentialMLP)
+    assert not isinstance(sequential.experts, GroupedExperts)
     grouped.load_state_dict(sequential.state_dict(), strict=True)
     return sequential, grouped
 
