@@ -66,7 +66,8 @@ def _save(root: str, step: int, health: dict, keep_last: int) -> None:
     """A real save (write, publish, prune) of a state with no model or optimizer."""
     from depthmix.checkpoint import distributed
 
-    topo = SimpleNamespace(tp=1, pp=1, vp=1, dp=1, tp_rank=0, pp_rank=0, dp_rank=0)
+    topo = SimpleNamespace(tp=1, pp=1, vp=1, dp=1, ep=1, expert_tp=1, tp_rank=0, pp_rank=0,
+                           dp_rank=0)
     distributed.save(root, run=tiny_run(), model=[], optimizer=None, scheduler=None,
                      topo=topo, step=step, consumed_samples=0, keep_last=keep_last,
                      health=health)
