@@ -11,7 +11,7 @@ The MoE presets with their mixers (the experts' saved tensors: test_moe_accounti
 one rank) likewise: each at one layout by default (TP2 + SP, where the experts gather their
 routed rows over TP; DP2 + distributed optimizer; PP2), every layout in the full lane, and
 EP2 (with DP2 and the distributed optimizer: the experts' state over the
-expert-data-parallel group) once the option checks accept expert parallelism.
+expert-data-parallel group).
 """
 
 import pytest
