@@ -8,7 +8,8 @@ parallelism by default (tensor, sequence and pipeline parallelism at once), the 
 layouts in the full lane. Experts (``model.moe``, dropless): every dense layout and the
 expert-parallel ones, one mixer per four-rank expert-parallel layout by default (EP x
 expert-DP with the distributed optimizer, EP x PP, EP x PP x VP, TP + SP with expert TP 2
-and with expert TP 1), every pair in the full lane. Compared with one rank: the 3 losses
+and with expert TP 1); in the full lane every case at EP2 x DP2, EP2 x PP2, TP2 + SP and
+DP2 + the distributed optimizer, and two cases a layout at the others, in a rotation. Compared with one rank: the 3 losses
 (relative 1e-5) and the gradients after step 1, relative to the gradient norm: the whole
 gradient and every parameter's error within 1e-5 of the global norm. (Not each tensor
 relative to its own norm: a tensor whose gradient is a near-cancelling sum, e.g. DDL's
@@ -79,6 +80,18 @@ MOE_DEFAULT = {("moe-vanilla", "ep2_pp2"), ("moe-attnres_block-bs2", "ep2_dp4_di
                ("moe-depth_attn-s1", "tp2_sp_pp2_ep2")}
 """The default lane's expert pairs: one mixer per four-rank expert-parallel layout (the
 four ranks the dense default already starts)."""
+MOE_EVERY_CASE = ("ep2_dp2", "ep2_pp2", "tp2_sp", "dp2_distopt")
+"""Full lane: every case at EP2 x DP2, EP2 x PP2, TP2 + SP and DP2 + distributed optimizer;
+at each other layout two cases in a rotation (with the default's pairs, every layout sees at
+least two mixers, every mixer at least one more layout)."""
+
+
+def _moe_pairs():
+    rotation = [layout for layout in [*LAYOUTS, *EP_LAYOUTS] if layout not in MOE_EVERY_CASE]
+    pairs = [(case, layout) for layout in MOE_EVERY_CASE for case in MOE_CASES]
+    for i, layout in enumerate(rotation):
+        pairs += [(MOE_CASES[(2 * i + k) % len(MOE_CASES)], layout) for k in (0, 1)]
+    return sorted(set(pairs) | MOE_DEFAULT)
 
 
 def make_run(case: str, **parallel):
@@ -158,7 +171,7 @@ def test_layout_matches_single_rank(mixer, layout, layout_results):
 @pytest.mark.parametrize("mixer, layout", [
     pytest.param(case, layout, id=f"{case}-{layout}",
                  marks=() if (case, layout) in MOE_DEFAULT else pytest.mark.full)
-    for layout in [*LAYOUTS, *EP_LAYOUTS] for case in MOE_CASES])
+    for case, layout in _moe_pairs()])
 def test_experts_match_single_rank(mixer, layout, layout_results):
     """With experts: losses, gradients (every expert's, gathered from its expert-parallel
     rank), gradient norms and the expert load equal the single-rank run."""
