@@ -17,6 +17,7 @@ from depthmix.config.schema import (
     RunConfig,
     TrainConfig,
 )
+from depthmix.runtime.env import launcher_rank
 
 log = logging.getLogger("depthmix")
 
@@ -109,7 +110,8 @@ def resolve_experts_impl(run: RunConfig) -> None:
                   f"a loop of GEMMs for train.precision={run.train.precision} (its fused "
                   "kernel takes bf16 on sm90/sm100)")
         reason = f"CUDA: torch._grouped_mm, {kernel}"
-    log.info("model.moe.experts_impl=auto -> %s (%s)", e.experts_impl, reason)
+    if launcher_rank() == 0:  # every rank resolves it alike; the console says it once
+        log.info("model.moe.experts_impl=auto -> %s (%s)", e.experts_impl, reason)
 
 
 def _grouped_mm_status():

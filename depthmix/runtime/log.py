@@ -26,6 +26,12 @@ CONSOLE = "depthmix.console"
 LIBRARY_LOGGERS = ("megatron", "wandb")
 _LIBRARY_FILES = re.compile(r"[\\/](megatron|apex|transformer_engine|torch|wandb)[\\/]")
 _FALLBACK = re.compile(r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed")
+_FIRST_STEPS = re.compile(r"`torch\.distributed\.\w+` is deprecated"
+                          r"|.*CUDA_DEVICE_MAX_CONNECTIONS")
+"""Notices the libraries raise at a multi-rank run's first steps, after start-up, at every
+run alike: torch's deprecation of the collectives Megatron calls for sequence parallelism
+and the experts' dispatch (``all_gather_into_tensor``, ``reduce_scatter_tensor``), and
+Megatron's sequence-parallel advice on ``CUDA_DEVICE_MAX_CONNECTIONS``."""
 
 _bar = None  # the active tqdm bar (ProgressBar sets it)
 
@@ -145,7 +151,8 @@ class LibraryWarnings:
     def stop(self, keep_quiet: bool = True) -> None:
         """Stop collecting. With ``keep_quiet`` the messages held stay filtered, and so do
         the libraries' "not installed, falling back" notices (Megatron imports some modules
-        lazily, e.g. at the first checkpoint save): the start-up line said it once."""
+        lazily, e.g. at the first checkpoint save): the start-up line said it once; and the
+        notices of the first steps (:data:`_FIRST_STEPS`)."""
         if self._previous is not None:
             warnings.showwarning = self._previous
             self._previous = None
@@ -154,6 +161,7 @@ class LibraryWarnings:
         for w in self.held:
             warnings.filterwarnings("ignore", message=re.escape(str(w.message)))
         warnings.filterwarnings("ignore", message=_FALLBACK.pattern)
+        warnings.filterwarnings("ignore", message=_FIRST_STEPS.pattern)
 
     def summary(self) -> Optional[str]:
         """One line for everything held back, or None."""

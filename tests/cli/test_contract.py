@@ -150,3 +150,22 @@ def test_normal_runs_print_no_library_lines_and_eval_writes_beside_its_results(c
     _quiet_run(["depthmix.cli.export", ckpt, str(tmp_path / "hf")], tmp_path)
     _quiet_run(["depthmix.cli.overheads", "model=tiny", "--mixers", "depth_attn,moda"],
                tmp_path)
+
+
+@pytest.mark.multiproc
+def test_a_two_rank_run_with_sequence_and_expert_parallelism_prints_no_library_lines(tmp_path):
+    """TP2 + sequence parallelism with EP2 experts (Megatron's gathers, reduce-scatters and
+    the dispatcher's all-to-all run from the first step, after start-up): no library line,
+    and each start-up line once, not once per rank."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "depthmix.runtime.torchrun", "--standalone",
+         "--nproc-per-node=2", "-m", "depthmix.cli.train", "model=tiny_moe", "parallel.tp=2",
+         "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.expert_tp=1",
+         "train.steps=2", "train.eval_interval=0", "train.save_interval=0", "logger=none"],
+        capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-3000:]
+    assert not NOISE.search(text), text
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert sum("experts_impl" in line for line in lines) == 1, text
+    assert sum(line.startswith("step ") for line in lines) == 2, text

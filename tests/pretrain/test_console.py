@@ -51,6 +51,15 @@ def test_library_warnings_become_one_line_and_stay_quiet():
         _warn_from(MEGATRON_FILE.replace("optimizer/__init__", "clip_grads"),
                    "Transformer Engine and Apex are not installed. Falling back to local "
                    "implementations of multi_tensor_applier")
+        # the first steps' notices of a multi-rank run: torch's deprecated collectives
+        # (called from Megatron's gathers), Megatron's sequence-parallel advice
+        warnings.warn_explicit("`torch.distributed.reduce_scatter_tensor` is deprecated. "
+                               "Please use `torch.distributed.reduce_scatter_single` instead.",
+                               FutureWarning, "/site-packages/torch/distributed/c10d_logger.py",
+                               83)
+        _warn_from(MEGATRON_FILE.replace("optimizer/__init__", "tensor_parallel/layers"),
+                   "When using sequence parallelism it is recommended to set the environment "
+                   "variable CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup")
         _warn_from(MEGATRON_FILE, "something new")
         assert shown == ["our own warning", "something new"]
         assert collector.finish() is None  # reported once
