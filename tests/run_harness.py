@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import random
 import subprocess
 
@@ -89,6 +90,21 @@ def make_run(steps: int = 6, **parallel):
     for key, value in parallel.items():
         setattr(run.parallel, key, value)
     return run
+
+
+def trainer_saving_to(save_dir: str, callbacks, **train):
+    """A Trainer of :func:`make_run` (``steps``: 6 unless given) saving to ``save_dir``
+    (its run directory the parent), ``data`` (default synthetic) and the other ``train``
+    options set on ``run.train``."""
+    from depthmix.pretrain.trainer import Trainer
+
+    data = train.pop("data", SyntheticData)
+    run = make_run(steps=train.pop("steps", 6))
+    run.output_dir = os.path.dirname(save_dir)
+    run.train.save_dir = save_dir
+    for key, value in train.items():
+        setattr(run.train, key, value)
+    return Trainer(run, data=data, callbacks=callbacks)
 
 
 def train(run, callbacks=(), data=SyntheticData) -> tuple:

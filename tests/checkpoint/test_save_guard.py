@@ -16,24 +16,16 @@ from depthmix.checkpoint import guard, store
 from depthmix.checkpoint.guard import SaveError, SaveLock
 from depthmix.config.schema import ConfigError
 from depthmix.pretrain.callbacks import CheckpointCallback
-from depthmix.pretrain.trainer import Trainer
-from depthmix.testing import SyntheticData
 
 from cli_runs import Proc
-from run_harness import PYTHON, env_for_subprocess, make_run
+from run_harness import PYTHON, env_for_subprocess, trainer_saving_to
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _trainer(save_dir, callbacks=None, **train):
-    data = train.pop("data", SyntheticData)
-    run = make_run(steps=train.pop("steps", 6))
-    run.output_dir = os.path.dirname(save_dir)
-    run.train.save_dir = save_dir
-    for key, value in train.items():
-        setattr(run.train, key, value)
-    return Trainer(run, data=data,
-                   callbacks=[CheckpointCallback()] if callbacks is None else callbacks)
+    return trainer_saving_to(save_dir, [CheckpointCallback()] if callbacks is None else callbacks,
+                             **train)
 
 
 def _leftovers(root):

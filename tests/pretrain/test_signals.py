@@ -13,20 +13,9 @@ import pytest
 from depthmix.checkpoint import store
 from depthmix.pretrain.callbacks import CheckpointCallback, PreemptionCallback
 from depthmix.pretrain.callbacks.base import Callback
-from depthmix.pretrain.trainer import Trainer
 from depthmix.testing import SyntheticData
 
-from run_harness import make_run
-
-
-def _trainer(save_dir, callbacks, **train):
-    data = train.pop("data", SyntheticData)
-    run = make_run(steps=train.pop("steps", 6))
-    run.output_dir = os.path.dirname(save_dir)
-    run.train.save_dir = save_dir
-    for key, value in train.items():
-        setattr(run.train, key, value)
-    return Trainer(run, data=data, callbacks=callbacks)
+from run_harness import trainer_saving_to
 
 
 def test_preemption_flag_and_submitit_handover(megatron_single, monkeypatch):
@@ -84,7 +73,7 @@ def test_sigterm_during_eval_saves_within_one_eval_batch(megatron_single, tmp_pa
         def post_step(self, trainer, result):
             steps.append(trainer.step)
 
-    t = _trainer(root, callbacks=[Steps(), CheckpointCallback(), PreemptionCallback()],
+    t = trainer_saving_to(root, callbacks=[Steps(), CheckpointCallback(), PreemptionCallback()],
                  steps=20, eval_interval=2, eval_iters=50, data=SignalOnFirstEvalBatch)
     t.train()
     t.close()
@@ -109,7 +98,7 @@ def test_a_signal_after_a_step_saves_it_and_stops(megatron_single, tmp_path, sig
             if trainer.step == 2:
                 os.kill(os.getpid(), signum)
 
-    t = _trainer(root, callbacks=[Send(), CheckpointCallback(), PreemptionCallback()],
+    t = trainer_saving_to(root, callbacks=[Send(), CheckpointCallback(), PreemptionCallback()],
                  steps=20)
     t.train()
     t.close()
