@@ -122,7 +122,8 @@ def get_moe_spec(config) -> ModuleSpec:
     """Megatron's MoE layer spec for local modules, with :class:`ExpertGroupsMoE`,
     :class:`ExpertLoadRouter` and the experts ``config.moe_experts_impl`` names
     (:class:`SeededExperts` or :class:`SeededGroupedExperts`)."""
-    experts = {"sequential": SeededExperts, "grouped": SeededGroupedExperts}.get(config.moe_experts_impl)
+    experts = {"sequential": SeededExperts,
+               "grouped": SeededGroupedExperts}.get(config.moe_experts_impl)
     if experts is None:
         raise ValueError(f"moe_experts_impl={config.moe_experts_impl!r} is not resolved "
                          "(sequential or grouped): model.moe.experts_impl is resolved at "

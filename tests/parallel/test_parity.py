@@ -9,13 +9,14 @@ layouts in the full lane. Experts (``model.moe``, dropless): every dense layout 
 expert-parallel ones, one mixer per four-rank expert-parallel layout by default (EP x
 expert-DP with the distributed optimizer, EP x PP, EP x PP x VP, TP + SP with expert TP 2
 and with expert TP 1); in the full lane every case at EP2 x DP2, EP2 x PP2, TP2 + SP and
-DP2 + the distributed optimizer, and two cases a layout at the others, in a rotation. Compared with one rank: the 3 losses
-(relative 1e-5) and the gradients after step 1, relative to the gradient norm: the whole
-gradient and every parameter's error within 1e-5 of the global norm. (Not each tensor
-relative to its own norm: a tensor whose gradient is a near-cancelling sum, e.g. DDL's
-layer-0 read vector with norm 1e-5, already differs by 1e-4 between fp32 and fp64 on one
-rank.) With experts also the gradient norms (relative 1e-5) and step 1's expert load: the
-tokens each expert took, exactly, and the balance and z-losses (relative 1e-5).
+DP2 + the distributed optimizer, and two cases a layout at the others, in a rotation.
+Compared with one rank: the 3 losses (relative 1e-5) and the gradients after step 1,
+relative to the gradient norm: the whole gradient and every parameter's error within 1e-5
+of the global norm. (Not each tensor relative to its own norm: a tensor whose gradient is
+a near-cancelling sum, e.g. DDL's layer-0 read vector with norm 1e-5, already differs by
+1e-4 between fp32 and fp64 on one rank.) With experts also the gradient norms (relative
+1e-5) and step 1's expert load: the tokens each expert took, exactly, and the balance and
+z-losses (relative 1e-5).
 """
 
 
